@@ -1,0 +1,3 @@
+from ft_core.cli import main
+
+raise SystemExit(main())

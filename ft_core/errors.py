@@ -1,0 +1,45 @@
+"""Typed errors for ft-lightning: one root, messages that name the peer, the call and the fix."""
+
+from __future__ import annotations
+
+
+class FTError(RuntimeError):
+    """Root of every error raised by ft-lightning."""
+
+
+class ConfigError(FTError, ValueError):
+    """A setting (argument or FT_* environment variable) is missing or invalid."""
+
+
+class RPCError(FTError):
+    """A control-plane call failed for a reason other than its deadline."""
+
+    def __init__(self, message: str, *, peer: str = "", call: str = "", code: str = "") -> None:
+        super().__init__(message)
+        self.peer = peer
+        self.call = call
+        self.code = code
+
+
+class AuthError(RPCError):
+    """A peer rejected our token, or we rejected theirs."""
+
+
+class QuorumError(FTError):
+    """No quorum could be formed or this replica group is not part of it."""
+
+
+class CommitError(FTError):
+    """Too many consecutive steps failed to commit (see max_retries)."""
+
+
+class CheckpointError(FTError):
+    """A live checkpoint could not be served, fetched or decoded."""
+
+
+class ProcessGroupError(FTError):
+    """A collective or the process group itself failed."""
+
+
+class FTTimeoutError(FTError, TimeoutError):
+    """A deadline passed. Also a builtin TimeoutError so `except TimeoutError` works."""
