@@ -1,0 +1,277 @@
+"""Fault-tolerant DDP: gradients are averaged inside the group, then across groups by the Manager.
+
+The comm hook returns a future at once (it never blocks per bucket), so the allreduces overlap
+the rest of the backward pass.
+
+Bucket layout. torch DDP starts with one bucket holding every parameter and rebuilds its buckets
+after each process's first backward pass, from the order gradients became ready. A group that
+joins late (healing) would then run a different layout than its peers at that step, and the
+cross-group collectives would mismatch; torchft forces find_unused_parameters=True to prevent
+the rebuild, paying a graph walk every step. Here the cross-group traffic does not follow DDP's
+buckets at all: `_CanonicalReducer` allreduces the gradients in fixed chunks that every group
+derives the same way from the module (reverse parameter order, DDP's own size caps), launched in
+chunk order. When a DDP bucket coincides with a chunk (the usual steady state, as DDP's rebuilt
+buckets follow the same rule) the bucket buffer is reduced in place with no copy; otherwise the
+gradients are copied into the chunk and back. Any DDP setting works, including torch DDP models
+built by Lightning or Accelerate (`register_comm_hook`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from ft_core import futures as ft_futures
+from ft_core.errors import FTError
+
+if TYPE_CHECKING:
+    from ft_core.manager import Manager
+
+__all__ = ["DistributedDataParallel", "register_comm_hook", "canonical_chunks"]
+
+logger = logging.getLogger(__name__)
+
+
+def reducer_parameters(module: torch.nn.Module, ignore: set[str] | frozenset[str] = frozenset()) -> list[torch.Tensor]:
+    """The parameters DDP reduces, in DDP's order: per module, trainable, shared ones once."""
+    seen: set[int] = set()
+    params = []
+    for module_name, sub in module.named_modules():
+        for name, param in sub.named_parameters(recurse=False):
+            full = f"{module_name}.{name}" if module_name else name
+            if not param.requires_grad or full in ignore or id(param) in seen:
+                continue
+            seen.add(id(param))
+            params.append(param)
+    return params
+
+
+def canonical_chunks(params: list[torch.Tensor], first_cap_bytes: int, cap_bytes: int) -> list[list[int]]:
+    """Chunks (lists of indices into `params`) in launch order: reverse parameter order, grouped by
+    dtype and device, closed when they reach the cap (the first chunk per kind: first_cap_bytes)."""
+    order = list(reversed(range(len(params))))
+    if not order:
+        return []
+    indices, _ = dist._compute_bucket_assignment_by_size([params[i] for i in order],
+                                                         [first_cap_bytes, cap_bytes], [False] * len(order),
+                                                         list(range(len(order))))
+    return [[order[j] for j in chunk] for chunk in indices]
+
+
+class _Chunk:
+    __slots__ = ("params", "offsets", "numel", "buffer", "filled", "launched", "fast", "waiters")
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+        self.offsets: dict[int, int] = {}
+        offset = 0
+        for p in params:
+            self.offsets[id(p)] = offset
+            offset += p.numel()
+        self.numel = offset
+        self.buffer: torch.Tensor | None = None
+        self.filled = 0
+        self.launched = False
+        self.fast: torch.Tensor | None = None  # the DDP bucket buffer reduced in place, when layouts match
+        self.waiters: list[tuple["_BucketState", list[tuple[torch.Tensor, int, int]]]] = []
+
+
+class _BucketState:
+    __slots__ = ("buffer", "future", "remaining")
+
+    def __init__(self, buffer: torch.Tensor, remaining: int) -> None:
+        self.buffer = buffer
+        self.future: torch.futures.Future = torch.futures.Future()
+        self.remaining = remaining
+
+
+class _CanonicalReducer:
+    """Cross-group allreduce of gradients in a layout every group derives identically."""
+
+    def __init__(self, manager: "Manager", params: list[torch.Tensor], first_cap_bytes: int, cap_bytes: int) -> None:
+        self._manager = manager
+        self._lock = threading.Lock()
+        self._chunks = [_Chunk([params[i] for i in chunk]) for chunk in canonical_chunks(params, first_cap_bytes,
+                                                                                          cap_bytes)]
+        self._where = {id(p): ci for ci, chunk in enumerate(self._chunks) for p in chunk.params}
+        self._next = 0
+        self.copies = 0  # buckets that needed the copy path (for tests and benchmarks)
+
+    def reset(self) -> None:
+        with self._lock:
+            for chunk in self._chunks:
+                chunk.filled = 0
+                chunk.launched = False
+                chunk.fast = None
+                chunk.waiters = []
+            self._next = 0
+
+    def add_bucket(self, buffer: torch.Tensor, params: list[torch.Tensor],
+                   grads: list[torch.Tensor]) -> torch.futures.Future:
+        """Hand over one DDP bucket's (group-averaged) gradients; the future completes with `buffer`
+        holding the cross-group average once every chunk it touches is reduced."""
+        ready: list[_Chunk] = []
+        with self._lock:
+            try:
+                chunk_ids = [self._where[id(p)] for p in params]
+            except KeyError:
+                raise FTError("a DDP bucket holds a parameter this fault-tolerant hook does not know; build the "
+                              "hook from the same module DDP wraps (parameters_to_ignore must match)") from None
+            first = self._chunks[chunk_ids[0]]
+            state = _BucketState(buffer, 0)
+            if len(set(chunk_ids)) == 1 and [id(p) for p in first.params] == [id(p) for p in params] \
+                    and buffer.numel() == first.numel:
+                first.fast = buffer
+                first.filled = first.numel
+                first.waiters.append((state, []))
+                state.remaining = 1
+                ready.append(first)
+            else:
+                self.copies += 1
+                per_chunk: dict[int, list[tuple[torch.Tensor, int, int]]] = {}
+                for p, g, ci in zip(params, grads, chunk_ids):
+                    chunk = self._chunks[ci]
+                    if chunk.buffer is None or chunk.buffer.dtype != g.dtype or chunk.buffer.device != g.device:
+                        chunk.buffer = torch.empty(chunk.numel, dtype=g.dtype, device=g.device)
+                    offset = chunk.offsets[id(p)]
+                    chunk.buffer[offset:offset + g.numel()].copy_(g.reshape(-1))
+                    chunk.filled += g.numel()
+                    per_chunk.setdefault(ci, []).append((g, offset, g.numel()))
+                state.remaining = len(per_chunk)
+                for ci, views in per_chunk.items():
+                    chunk = self._chunks[ci]
+                    chunk.waiters.append((state, views))
+                    if chunk.filled == chunk.numel:
+                        ready.append(chunk)
+            launch = []
+            while self._next < len(self._chunks) and self._chunks[self._next].filled == self._chunks[self._next].numel:
+                chunk = self._chunks[self._next]
+                chunk.launched = True
+                launch.append(chunk)
+                self._next += 1
+        for chunk in launch:  # in chunk order: every group issues the same sequence of collectives
+            self._launch(chunk)
+        return state.future
+
+    def _launch(self, chunk: _Chunk) -> None:
+        tensor = chunk.fast if chunk.fast is not None else chunk.buffer
+        assert tensor is not None
+        fut = self._manager._allreduce_future(tensor, ReduceOp.AVG)
+        fut.add_done_callback(lambda _f, chunk=chunk: self._finish(chunk))
+
+    def _finish(self, chunk: _Chunk) -> None:
+        with self._lock:
+            waiters, chunk.waiters = chunk.waiters, []
+        done = []
+        for state, views in waiters:
+            if chunk.fast is None:
+                assert chunk.buffer is not None
+                for grad, offset, numel in views:
+                    grad.copy_(chunk.buffer[offset:offset + numel].view_as(grad))
+            with self._lock:
+                state.remaining -= 1
+                if state.remaining == 0:
+                    done.append(state)
+        for state in done:
+            state.future.set_result(state.buffer)
+
+
+class _HookState:
+    def __init__(self, manager: "Manager", reducer: _CanonicalReducer, intra_group_pg: Any) -> None:
+        self.manager = manager
+        self.reducer = reducer
+        self.intra_group_pg = intra_group_pg
+        self.intra_size = intra_group_pg.size() if intra_group_pg is not None else 1
+
+
+def _ft_comm_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future:
+    """Average inside the group (async), then across groups; returns at once."""
+    if bucket.index() == 0:
+        state.reducer.reset()
+    buffer = bucket.buffer()
+    params = bucket.parameters()
+    grads = bucket.gradients()
+    if state.intra_size <= 1:
+        return state.reducer.add_bucket(buffer, params, grads)
+
+    out: torch.futures.Future = torch.futures.Future()
+
+    def cross(fut: torch.futures.Future) -> None:
+        try:
+            fut.value()
+            buffer.div_(state.intra_size)
+        except Exception as exc:  # recorded; the bucket still goes through so collectives stay aligned
+            state.manager.report_error(exc)
+        try:
+            inner = state.reducer.add_bucket(buffer, params, grads)
+        except Exception as exc:
+            state.manager.report_error(exc)
+            out.set_result(buffer)
+            return
+        inner.add_done_callback(lambda _f: out.set_result(buffer))
+
+    try:
+        work = dist.all_reduce(buffer, op=ReduceOp.SUM, group=state.intra_group_pg, async_op=True)
+        work.get_future().add_done_callback(cross)
+    except Exception as exc:
+        state.manager.report_error(exc)
+        cross(ft_futures.completed_future(buffer))
+    return out
+
+
+# torch checks the hook's annotations as objects; this module uses postponed (string) annotations.
+_ft_comm_hook.__annotations__ = {"state": object, "bucket": dist.GradBucket,
+                                 "return": torch.futures.Future[torch.Tensor]}
+
+
+def _default_intra_group_pg() -> Any:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
+
+
+def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, manager: "Manager",
+                       intra_group_pg: Any = None) -> None:
+    """Install the fault-tolerant comm hook on an existing torch DDP model (Lightning, Accelerate).
+
+    intra_group_pg: the group's own process group (default: torch's default group when it has
+    more than one rank); gradients are averaged on it first, then across groups via the Manager.
+    """
+    if intra_group_pg is None:
+        intra_group_pg = _default_intra_group_pg()
+    if intra_group_pg is not None and dist.get_world_size(intra_group_pg) <= 1:
+        intra_group_pg = None
+    config = getattr(ddp_model, "_bucket_config", None)
+    cap = getattr(ddp_model, "bucket_bytes_cap", 25 * 1024 * 1024)
+    first_cap = getattr(config, "first_bucket_bytes_cap", dist._DEFAULT_FIRST_BUCKET_BYTES)
+    params = reducer_parameters(ddp_model.module, set(getattr(ddp_model, "parameters_to_ignore", ())))
+    reducer = _CanonicalReducer(manager, params, first_cap, cap)
+    state = _HookState(manager, reducer, intra_group_pg)
+    if intra_group_pg is not None:
+        state.intra_size = dist.get_world_size(intra_group_pg)
+    ddp_model.register_comm_hook(state, _ft_comm_hook)
+    ddp_model._ft_hook_state = state  # type: ignore[attr-defined]
+
+
+class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
+    """torch DDP whose gradients go through `manager.allreduce` (inside the group first when the
+    group has several ranks)."""
+
+    def __init__(self, manager: "Manager", module: torch.nn.Module, intra_group_pg: Any = None,
+                 **ddp_kwargs: Any) -> None:
+        if intra_group_pg is None:
+            intra_group_pg = _default_intra_group_pg()
+        if intra_group_pg is None:
+            from ft_core.process_group import ProcessGroupDummy
+
+            process_group: Any = ProcessGroupDummy()
+        else:
+            process_group = intra_group_pg
+        super().__init__(module, process_group=process_group, **ddp_kwargs)
+        self.manager = manager
+        register_comm_hook(self, manager, intra_group_pg)

@@ -1,0 +1,324 @@
+"""Client of the lighthouse: quorum long polls, heartbeats, and a heartbeat stream thread.
+
+Accepts several lighthouse addresses ("a:1,b:2" or a list) and fails over to the next one when
+an address refuses or cannot be reached; connection attempts are short so a dead first address
+does not eat a call's whole timeout. Deadlines and cancels surface as `FTTimeoutError` (a
+TimeoutError); everything else as `RPCError`/`AuthError` naming the peer, the call and the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import grpc
+
+from ft_core.env import resolve_str
+from ft_core.errors import ConfigError, FTTimeoutError, RPCError
+from ft_core.proto import ft_pb2, ft_pb2_grpc
+from ft_core.rpc import CHANNEL_OPTIONS, auth_metadata, backoff_delays, call, map_rpc_error, seconds, split_addresses
+from ft_core.types import Quorum, QuorumMember
+
+logger = logging.getLogger(__name__)
+
+CONNECT_ATTEMPT_S = 1.0  # longest single connection attempt before trying the next address
+# Reconnect quickly after a lighthouse restart instead of grpc's default 1 s .. 120 s backoff.
+CLIENT_CHANNEL_OPTIONS = CHANNEL_OPTIONS + [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+_CONNECTIVITY = {state.value[0]: state for state in grpc.ChannelConnectivity}
+
+
+def wait_ready(channel: grpc.Channel, timeout_s: float) -> bool:
+    """Try to connect; True once READY, False at the first failure (refused, unreachable) or after timeout_s.
+
+    Watches the channel's state from the calling thread (grpc's subscribe() would start a poller
+    thread that races with closing the channel).
+    """
+    raw = getattr(channel, "_channel", None)
+    if raw is None or not hasattr(raw, "watch_connectivity_state"):
+        try:
+            grpc.channel_ready_future(channel).result(timeout=max(timeout_s, 0.0))
+            return True
+        except grpc.FutureTimeoutError:
+            return False
+    deadline = time.monotonic() + timeout_s
+    try:
+        observed = raw.check_connectivity_state(True)
+        while True:
+            state = _CONNECTIVITY.get(observed)
+            if state == grpc.ChannelConnectivity.READY:
+                return True
+            if state in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN):
+                return False
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            raw.watch_connectivity_state(observed, time.time() + min(left, 0.1))
+            observed = raw.check_connectivity_state(True)
+    except ValueError:  # closed by another thread meanwhile
+        return False
+
+
+class LighthouseClient:
+    """Talks to one lighthouse, or the first reachable of several; a context manager."""
+
+    def __init__(self, addrs: str | list[str], connect_timeout: timedelta = timedelta(seconds=10),
+                 token: str | None = None) -> None:
+        self._addrs = split_addresses(addrs)
+        if not self._addrs:
+            raise ConfigError(f"no lighthouse address in {addrs!r}: pass host:port (or several, comma-separated), "
+                              f"or set FT_LIGHTHOUSE")
+        self._connect_timeout_s = seconds(connect_timeout)
+        self._token = resolve_str(token, "FT_TOKEN", None)
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._ready: set[str] = set()
+        self._preferred = 0
+        self._streams: list[HeartbeatStreamHandle] = []
+        self._closed = False
+
+    @property
+    def addresses(self) -> list[str]:
+        return list(self._addrs)
+
+    # -- channels -----------------------------------------------------------------------------
+
+    def _channel(self, addr: str) -> grpc.Channel:
+        with self._lock:
+            if self._closed:
+                raise RPCError(f"LighthouseClient for {self._addrs} is closed", peer=addr, call="", code="CLOSED")
+            channel = self._channels.get(addr)
+            if channel is None:
+                channel = grpc.insecure_channel(addr, options=CLIENT_CHANNEL_OPTIONS)
+                self._channels[addr] = channel
+            return channel
+
+    def _connected(self, addr: str, timeout_s: float) -> bool:
+        if addr in self._ready:
+            return True
+        if wait_ready(self._channel(addr), timeout_s):
+            self._ready.add(addr)
+            return True
+        self._reset(addr)
+        return False
+
+    def _reset(self, addr: str) -> None:
+        """Forget a failed channel so the next attempt opens a fresh connection at once."""
+        with self._lock:
+            self._ready.discard(addr)
+            channel = self._channels.pop(addr, None)
+        if channel is not None:
+            channel.close()
+
+    def _order(self) -> list[str]:
+        start = self._preferred
+        return [self._addrs[(start + i) % len(self._addrs)] for i in range(len(self._addrs))]
+
+    def _unary(self, name: str, invoke: Callable[[ft_pb2_grpc.LighthouseServiceStub], Any], request: Any,
+               timeout: timedelta | float) -> Any:
+        """One call with failover across addresses, all within `timeout`."""
+        timeout_s = seconds(timeout)
+        start = time.monotonic()
+        deadline = start + timeout_s
+        connect_deadline = min(deadline, start + self._connect_timeout_s)
+        delays = backoff_delays(initial=0.05, cap=1.0, jitter=0.05)
+        last_problem = "no attempt made"
+        while True:
+            for addr in self._order():
+                now = time.monotonic()
+                if now >= deadline:
+                    raise FTTimeoutError(f"LighthouseService.{name} to {', '.join(self._addrs)} timed out after "
+                                         f"{timeout_s:.3g}s (last problem: {last_problem}); check that a lighthouse "
+                                         f"is running there, or raise the timeout")
+                if not self._connected(addr, min(CONNECT_ATTEMPT_S, deadline - now)):
+                    last_problem = f"could not connect to {addr}"
+                    continue
+                try:
+                    response = call(invoke(ft_pb2_grpc.LighthouseServiceStub(self._channel(addr))), request,
+                                    peer=addr, name=f"LighthouseService.{name}", timeout=deadline - time.monotonic(),
+                                    token=self._token)
+                except RPCError as exc:
+                    if exc.code != "UNAVAILABLE":
+                        raise
+                    self._reset(addr)
+                    last_problem = str(exc)
+                    continue
+                self._preferred = self._addrs.index(addr)
+                return response
+            now = time.monotonic()
+            if now >= connect_deadline and now < deadline:
+                raise RPCError(f"LighthouseService.{name}: no lighthouse reachable at {', '.join(self._addrs)} "
+                               f"within connect_timeout {self._connect_timeout_s:.3g}s ({last_problem}); start one "
+                               f"(`ftl lighthouse`) or fix FT_LIGHTHOUSE", peer=",".join(self._addrs),
+                               call=f"LighthouseService.{name}", code="UNAVAILABLE")
+            time.sleep(max(min(next(delays), deadline - now), 0.0))
+
+    # -- calls --------------------------------------------------------------------------------
+
+    def quorum(self, member: QuorumMember, timeout: timedelta) -> Quorum:
+        """Join the next quorum and wait (up to `timeout`) until one containing `member` is issued."""
+        request = ft_pb2.LighthouseQuorumRequest(requester=member.to_pb())
+        response = self._unary("Quorum", lambda stub: stub.Quorum, request, timeout)
+        return Quorum.from_pb(response.quorum)
+
+    def heartbeat(self, replica_id: str, timeout: timedelta = timedelta(seconds=5)) -> None:
+        """One unary heartbeat."""
+        self._unary("Heartbeat", lambda stub: stub.Heartbeat,
+                    ft_pb2.LighthouseHeartbeatRequest(replica_id=replica_id), timeout)
+
+    def start_heartbeat_stream(self, replica_id: str,
+                               interval: timedelta = timedelta(milliseconds=100)) -> "HeartbeatStreamHandle":
+        """Keep a HeartbeatStream open from a daemon thread until `.stop()` (or `close()`)."""
+        if not replica_id:
+            raise ConfigError("start_heartbeat_stream: replica_id must not be empty")
+        handle = HeartbeatStreamHandle(self, replica_id, seconds(interval))
+        with self._lock:
+            self._streams.append(handle)
+        handle._start()
+        return handle
+
+    def close(self) -> None:
+        """Stop every heartbeat stream of this client and close its channels. Idempotent."""
+        with self._lock:
+            streams, self._streams = self._streams, []
+        for handle in streams:
+            handle.stop()
+        with self._lock:
+            self._closed = True
+            channels, self._channels = self._channels, {}
+            self._ready.clear()
+        for channel in channels.values():
+            channel.close()
+
+    def __enter__(self) -> "LighthouseClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class HeartbeatStreamHandle:
+    """A named daemon thread keeping one HeartbeatStream open; reconnects and fails over when it breaks.
+
+    While the stream is open the lighthouse counts the replica alive; when this process dies the
+    connection drops and the lighthouse drops the replica at once. `.stop()` closes the stream
+    (which the lighthouse also reads as the replica leaving) and joins the thread.
+    """
+
+    def __init__(self, client: LighthouseClient, replica_id: str, interval_s: float) -> None:
+        self.replica_id = replica_id
+        self._client = client
+        self._interval_s = max(interval_s, 0.001)
+        self._stale_after_s = max(20 * self._interval_s, 3.0)  # no answer this long: reconnect
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._call: Any = None
+        self._connected = threading.Event()
+        self.last_error: Exception | None = None
+        self._thread = threading.Thread(target=self._run, name=f"ftl-heartbeat-{replica_id}", daemon=True)
+
+    def _start(self) -> None:
+        self._thread.start()
+
+    @property
+    def connected(self) -> bool:
+        """True while a stream is open and the lighthouse has answered on it."""
+        return self._connected.is_set()
+
+    def wait_connected(self, timeout: timedelta | float) -> bool:
+        return self._connected.wait(seconds(timeout))
+
+    def _run(self) -> None:
+        delays = backoff_delays(initial=0.05, cap=1.0, jitter=0.05)
+        failures = 0
+        while not self._stop.is_set():
+            addrs = self._client._order()
+            addr = addrs[failures % len(addrs)]
+            try:
+                answered = self._stream_once(addr)
+            except Exception as exc:  # keep heartbeating through anything; record it
+                logger.exception("heartbeat stream of %s to %s failed", self.replica_id, addr)
+                self.last_error = exc
+                answered = False
+            if self._stop.is_set():
+                break
+            if answered:
+                failures = 0
+                delays = backoff_delays(initial=0.05, cap=1.0, jitter=0.05)
+            else:
+                failures += 1
+            self._stop.wait(next(delays))
+
+    def _stream_once(self, addr: str) -> bool:
+        """Hold one stream to `addr` until it breaks; True when the lighthouse answered at least once."""
+        if not self._client._connected(addr, CONNECT_ATTEMPT_S):
+            self.last_error = RPCError(f"HeartbeatStream: could not connect to lighthouse {addr}", peer=addr,
+                                       call="LighthouseService.HeartbeatStream", code="UNAVAILABLE")
+            return False
+        stub = ft_pb2_grpc.LighthouseServiceStub(self._client._channel(addr))
+        last_answer = [time.monotonic()]
+        request = ft_pb2.LighthouseHeartbeatRequest(replica_id=self.replica_id)
+
+        def requests() -> Any:
+            while True:
+                yield request
+                if self._stop.wait(self._interval_s):
+                    return
+                if time.monotonic() - last_answer[0] > self._stale_after_s:
+                    logger.warning("lighthouse %s stopped answering %s's heartbeats; reconnecting", addr,
+                                   self.replica_id)
+                    with self._lock:
+                        if self._call is not None:
+                            self._call.cancel()
+                    return
+
+        stream = stub.HeartbeatStream(requests(), metadata=auth_metadata(self._client._token))
+        with self._lock:
+            self._call = stream
+        if self._stop.is_set():
+            stream.cancel()
+        answered = False
+        try:
+            for _ in stream:
+                last_answer[0] = time.monotonic()
+                if not answered:
+                    answered = True
+                    self._connected.set()
+                    if self.last_error is not None:
+                        logger.info("heartbeat stream of %s to %s is back", self.replica_id, addr)
+                    self.last_error = None
+        except grpc.RpcError as err:
+            if not self._stop.is_set():
+                error = map_rpc_error(err, peer=addr, call="LighthouseService.HeartbeatStream")
+                if answered or self.last_error is None:
+                    logger.warning("heartbeat stream of %s broke: %s", self.replica_id, error)
+                self.last_error = error
+                if getattr(error, "code", "") == "UNAVAILABLE":
+                    self._client._reset(addr)
+        finally:
+            self._connected.clear()
+            with self._lock:
+                self._call = None
+        return answered
+
+    def stop(self, timeout: timedelta | float = 5.0) -> None:
+        """Close the stream and join the thread. Idempotent."""
+        self._stop.set()
+        with self._lock:
+            stream = self._call
+        if stream is not None:
+            stream.cancel()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(seconds(timeout))
+
+    def __enter__(self) -> "HeartbeatStreamHandle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

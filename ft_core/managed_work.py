@@ -1,0 +1,118 @@
+"""Work returned by `Manager.allreduce`: never raises into the loop, continuations run at wait().
+
+The collective itself completes eagerly (its future is chained on the backend's completion
+thread and never fails: errors were already recorded with the Manager). User continuations
+added through `get_future().then(...)` are stored and run lazily in `wait()`, on the stream
+that issued the work, so the CPU never blocks on them.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ft_core.futures import completed_future
+
+if TYPE_CHECKING:
+    from ft_core.manager import Manager
+
+
+class ManagedWork(dist.distributed_c10d.Work):
+    """A Work over a never-failing future; `.then` continuations run at `wait()`."""
+
+    def __init__(self, manager: "Manager", fut: torch.futures.Future, default: Any) -> None:
+        super().__init__()
+        self._manager = manager
+        self._fut = fut
+        self._default = default
+        self._callbacks: list[Callable[[torch.futures.Future], Any]] = []
+        self._lock = threading.Lock()
+        self._done = False
+        self._value: Any = None
+        self._stream = None
+        if isinstance(default, torch.Tensor) and default.is_cuda:
+            self._stream = torch.cuda.current_stream(default.device)
+
+    def _add_callback(self, callback: Callable[[torch.futures.Future], Any]) -> None:
+        with self._lock:
+            if self._done:
+                raise RuntimeError("cannot chain a continuation onto a ManagedWork that was already waited on")
+            self._callbacks.append(callback)
+
+    def _run(self) -> Any:
+        with self._lock:
+            if self._done:
+                return self._value
+            value = self._fut.wait()  # never fails; bounded by the Manager's timeout
+            if self._callbacks:
+                ctx = torch.cuda.stream(self._stream) if self._stream is not None else _NullContext()
+                with ctx:
+                    for callback in self._callbacks:
+                        try:
+                            value = callback(completed_future(value))
+                        except Exception as exc:  # recorded for the step; the loop keeps going
+                            self._manager.report_error(exc)
+                            value = self._default
+            self._value = value
+            self._done = True
+            return value
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._run()
+        return True
+
+    def synchronize(self) -> None:
+        self._run()
+
+    def block_current_stream(self) -> None:
+        self._run()
+
+    def is_completed(self) -> bool:
+        return self._done
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> None:
+        return None
+
+    def get_future(self) -> "ManagedFuture":
+        return ManagedFuture(self)
+
+    def value(self) -> Any:
+        return self._run()
+
+
+class ManagedFuture(torch.futures.Future):
+    """The future of a ManagedWork: `then` stores the continuation; `wait`/`value` run the chain.
+
+    Not for handing to C++ (a DDP comm hook must return a real future; ft_core.ddp does).
+    """
+
+    def __init__(self, work: ManagedWork) -> None:
+        super().__init__()
+        self._work = work
+
+    def then(self, callback: Callable[[torch.futures.Future], Any]) -> "ManagedFuture":  # type: ignore[override]
+        self._work._add_callback(callback)
+        return ManagedFuture(self._work)
+
+    def wait(self) -> Any:
+        return self._work._run()
+
+    def value(self) -> Any:
+        return self._work._run()
+
+    def done(self) -> bool:
+        return self._work.is_completed()
+
+
+class _NullContext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

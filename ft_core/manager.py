@@ -1,0 +1,626 @@
+"""The Manager: the per-step protocol every integration uses (DESIGN.md section 7).
+
+    manager.start_quorum()      # async: the quorum overlaps the forward pass
+    loss.backward()             # gradients go through manager.allreduce (ft_core.ddp does it)
+    if manager.should_commit(): # group-wide vote; a pending healed state is loaded first
+        optimizer.step()
+
+Errors inside a step are recorded (`report_error`), never raised into the loop; that step then
+does not commit. A group behind the quorum's max_step heals from a live peer: in async mode it
+fetches during the step, contributes zeros and loads the state in should_commit, so it applies
+the same averaged gradient and ends the step bit-identical to the others.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import enum
+import logging
+import os
+import re
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from ft_core import futures as ft_futures
+from ft_core.env import resolve_int, resolve_seconds, resolve_str
+from ft_core.errors import CheckpointError, CommitError, ConfigError, FTError, FTTimeoutError
+from ft_core.managed_work import ManagedWork
+from ft_core.recovery import QuorumResult
+
+__all__ = ["Manager", "WorldSizeMode", "ManagerConfig", "participation"]
+
+logger = logging.getLogger(__name__)
+events = logging.getLogger("ft_core.events")
+
+STORE_PREFIX = "ft_manager"
+_MARGIN_S = 5.0  # on top of a server-side deadline, for the hop back
+
+
+class WorldSizeMode(enum.Enum):
+    """How many groups contribute: all up-to-date ones (DYNAMIC), or exactly min_replica_size."""
+
+    DYNAMIC = "dynamic"
+    FIXED_WITH_SPARES = "fixed_with_spares"
+
+
+@dataclass(frozen=True)
+class ManagerConfig:
+    """A Manager's settings, resolved once: FT_* environment variables override arguments."""
+
+    replica_id: str
+    group_rank: int
+    group_world_size: int
+    min_replica_size: int
+    use_async_quorum: bool
+    timeout: timedelta
+    quorum_timeout: timedelta
+    connect_timeout: timedelta
+    world_size_mode: WorldSizeMode
+    lighthouse_addr: str | None
+    port: int
+    hostname: str
+    heartbeat_interval: timedelta
+    init_sync: bool
+    max_retries: int | None
+    quorum_retries: int
+    token: str | None = field(default=None, repr=False)
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={raw!r} is not an integer; unset it or fix it") from None
+
+
+def resolve_config(*, replica_id: str | None, rank: int | None, world_size: int | None, min_replica_size: int,
+                   use_async_quorum: bool, timeout: Any, quorum_timeout: Any, connect_timeout: Any,
+                   world_size_mode: WorldSizeMode, lighthouse_addr: str | list[str] | None, port: int | None,
+                   hostname: str, heartbeat_interval: timedelta, init_sync: bool, max_retries: int | None,
+                   quorum_retries: int | None, token: str | None) -> ManagerConfig:
+    """Arguments, then FT_* overrides; group rank/size and replica name fall back to torchrun's env."""
+    group_rank = rank if rank is not None else (_env_int("RANK") or 0)
+    group_world_size = world_size if world_size is not None else (_env_int("WORLD_SIZE") or 1)
+    if group_world_size < 1 or not 0 <= group_rank < group_world_size:
+        raise ConfigError(f"group rank {group_rank} / group world size {group_world_size} are inconsistent; "
+                          f"pass rank= and world_size= (ranks inside one replica group) or set RANK/WORLD_SIZE")
+    if min_replica_size < 1:
+        raise ConfigError(f"min_replica_size must be >= 1, got {min_replica_size}")
+    if max_retries is not None and max_retries < 0:
+        raise ConfigError(f"max_retries must be None or >= 0, got {max_retries}")
+    base = replica_id if replica_id is not None else os.environ.get("REPLICA_GROUP_ID", "")
+    addr = ",".join(lighthouse_addr) if isinstance(lighthouse_addr, (list, tuple)) else lighthouse_addr
+    return ManagerConfig(
+        replica_id=f"{base}:{uuid.uuid4().hex[:12]}" if base else uuid.uuid4().hex[:12],
+        group_rank=group_rank, group_world_size=group_world_size, min_replica_size=min_replica_size,
+        use_async_quorum=use_async_quorum,
+        timeout=resolve_seconds(timeout, "FT_TIMEOUT_SEC", timedelta(seconds=60)),
+        quorum_timeout=resolve_seconds(quorum_timeout, "FT_QUORUM_TIMEOUT_SEC", timedelta(seconds=60)),
+        connect_timeout=resolve_seconds(connect_timeout, "FT_CONNECT_TIMEOUT_SEC", timedelta(seconds=60)),
+        world_size_mode=WorldSizeMode(world_size_mode), lighthouse_addr=resolve_str(addr, "FT_LIGHTHOUSE", None),
+        port=resolve_int(port, "FT_MANAGER_PORT", 0), hostname=hostname, heartbeat_interval=heartbeat_interval,
+        init_sync=init_sync, max_retries=max_retries, quorum_retries=resolve_int(quorum_retries, "FT_QUORUM_RETRIES", 0),
+        token=resolve_str(token, "FT_TOKEN", None) or None)
+
+
+def participation(result: QuorumResult, *, use_async_quorum: bool, allow_heal: bool, init_sync: bool,
+                  mode: WorldSizeMode, min_replica_size: int) -> tuple[int | None, int]:
+    """(participating rank or None, number of participants) for this group in `result`.
+
+    Async (or no healing): only groups at max_step that do not heal contribute; at step 0 with
+    init_sync every group but the first heals from it, so the first one alone contributes.
+    Sync with healing: healers load before the forward pass and contribute like everyone.
+    FIXED_WITH_SPARES: exactly min_replica_size contribute; the rest are spares (None).
+    """
+    if use_async_quorum or not allow_heal:
+        if init_sync and allow_heal and result.max_step == 0:
+            rank, world = (0 if result.max_replica_rank == 0 else None), 1
+        else:
+            rank, world = result.max_replica_rank, result.max_world_size
+    else:
+        rank, world = result.replica_rank, result.replica_world_size
+    if mode == WorldSizeMode.FIXED_WITH_SPARES:
+        world = min(world, min_replica_size)
+        if rank is not None and rank >= min_replica_size:
+            rank = None
+    return rank, world
+
+
+def _global_rank(replica_id: str, group_rank: int, group_world_size: int) -> int:
+    digits = re.search(r"(\d+)(?::[0-9a-f]+)?$", replica_id)
+    return (int(digits.group(1)) if digits else 0) * group_world_size + group_rank
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    nbytes = getattr(obj, "nbytes", None)
+    return int(nbytes) if isinstance(nbytes, int) else 0
+
+
+class Manager:
+    """Per-step fault tolerance for one rank of one replica group; see the module docstring."""
+
+    def __init__(self, pg: Any, load_state_dict: Callable[[Any], None] | None = None,
+                 state_dict: Callable[[], Any] | None = None, min_replica_size: int = 1,
+                 use_async_quorum: bool = True, timeout: timedelta = timedelta(seconds=60),
+                 quorum_timeout: timedelta = timedelta(seconds=60), connect_timeout: timedelta = timedelta(seconds=60),
+                 rank: int | None = None, world_size: int | None = None,
+                 world_size_mode: WorldSizeMode = WorldSizeMode.DYNAMIC, store_addr: str | None = None,
+                 store_port: int | None = None, lighthouse_addr: str | list[str] | None = None,
+                 replica_id: str | None = None, port: int | None = None, hostname: str = "127.0.0.1",
+                 heartbeat_interval: timedelta = timedelta(milliseconds=100), checkpoint_transport: Any = None,
+                 init_sync: bool = True, max_retries: int | None = None, quorum_retries: int = 0,
+                 token: str | None = None) -> None:
+        cfg = resolve_config(replica_id=replica_id, rank=rank, world_size=world_size,
+                             min_replica_size=min_replica_size, use_async_quorum=use_async_quorum, timeout=timeout,
+                             quorum_timeout=quorum_timeout, connect_timeout=connect_timeout,
+                             world_size_mode=world_size_mode, lighthouse_addr=lighthouse_addr, port=port,
+                             hostname=hostname, heartbeat_interval=heartbeat_interval, init_sync=init_sync,
+                             max_retries=max_retries, quorum_retries=quorum_retries, token=token)
+        self._pg = pg
+        self._state_fns: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]] = {}
+        self._state_lock = threading.Lock()
+        if (load_state_dict is None) != (state_dict is None):
+            raise ConfigError("pass both load_state_dict and state_dict, or neither (then use register_state_dict_fn)")
+        if load_state_dict is not None and state_dict is not None:
+            self._state_fns["default"] = (load_state_dict, state_dict)
+
+        self._step = 0
+        self._batches_committed = 0
+        self._commit_failures = 0
+        self._quorum_id = -1
+        self._errored: Exception | None = None
+        self._error_lock = threading.Lock()
+        self._pg_broken = False
+        self._healing = False
+        self._pending_state_dict: Any = None
+        self._heal_info: dict[str, Any] = {}
+        self._participating_rank: int | None = None
+        self._participating_world_size = 0
+        self._quorum_future: concurrent.futures.Future | None = None
+        self._closed = False
+        self._server: Any = None
+        self._client: Any = None
+        self._store: Any = None
+
+        self._setup_store_and_server(cfg, store_addr, store_port)
+        self.config = cfg = dataclass_replace(cfg, replica_id=self._replica_id)
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"ft-quorum[{cfg.replica_id}/{cfg.group_rank}]")
+        if checkpoint_transport is None:
+            from ft_core.checkpointing import HTTPTransport
+
+            checkpoint_transport = HTTPTransport(timeout=cfg.timeout, num_chunks=0, token=cfg.token)
+        self._transport = checkpoint_transport
+        logger.info("%s manager started: %s", self._prefix(), cfg)
+
+    # ----------------------------------------------------------------- setup
+
+    def _setup_store_and_server(self, cfg: ManagerConfig, store_addr: str | None, store_port: int | None) -> None:
+        """Own TCPStore for a one-rank group; else the group's store. Rank 0 hosts the manager server."""
+        if cfg.group_world_size == 1 and store_addr is None:
+            self._store = dist.TCPStore(cfg.hostname, 0, is_master=True, wait_for_workers=False,
+                                        timeout=cfg.connect_timeout)
+            host, port = cfg.hostname, self._store.port
+        else:
+            host = store_addr or os.environ.get("MASTER_ADDR")
+            port = store_port if store_port is not None else _env_int("MASTER_PORT")
+            if not host or not port:
+                raise ConfigError("a replica group with several ranks needs its TCPStore: pass store_addr= and "
+                                  "store_port= or run under torchrun (MASTER_ADDR/MASTER_PORT)")
+            self._store = dist.TCPStore(host, int(port), is_master=False, timeout=cfg.connect_timeout)
+        self._store_address = f"{host}:{port}"
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"{STORE_PREFIX}/{restart}", self._store)
+        if cfg.group_rank == 0:
+            from ft_core.manager_server import ManagerServer
+
+            self._replica_id = cfg.replica_id
+            self._server = ManagerServer(self._replica_id, cfg.lighthouse_addr, hostname=cfg.hostname,
+                                         bind=f"{cfg.hostname}:{cfg.port}", store_addr=self._store_address,
+                                         world_size=cfg.group_world_size, heartbeat_interval=cfg.heartbeat_interval,
+                                         connect_timeout=cfg.connect_timeout, quorum_retries=cfg.quorum_retries,
+                                         token=cfg.token)
+            store.set("replica_id", self._replica_id)
+            store.set("manager_addr", self._server.address())
+        else:
+            from ft_core.manager_client import ManagerClient
+
+            try:
+                store.wait(["manager_addr", "replica_id"], cfg.connect_timeout)
+            except Exception as exc:  # torch raises a DistStoreError on timeout
+                raise FTTimeoutError(f"group rank {cfg.group_rank}: group rank 0 did not publish its manager "
+                                     f"server address in the TCPStore {self._store_address} within "
+                                     f"{cfg.connect_timeout.total_seconds():.3g}s ({exc}); is rank 0 running?") from None
+            self._replica_id = store.get("replica_id").decode()
+            self._client = ManagerClient(store.get("manager_addr").decode(), cfg.connect_timeout, token=cfg.token)
+
+    # ----------------------------------------------------------------- state registry
+
+    def register_state_dict_fn(self, key: str, load_fn: Callable[[Any], None], save_fn: Callable[[], Any]) -> None:
+        """Register state sent to a healing peer: save_fn() -> nested tensors/numbers/str; load_fn(that)."""
+        if key in self._state_fns:
+            raise ConfigError(f"state dict key {key!r} is already registered; keys must be unique")
+        self._state_fns[key] = (load_fn, save_fn)
+
+    def disallow_state_dict_read(self) -> None:
+        """Block sending state to healers (e.g. while parameters are being updated in place)."""
+        self._state_lock.acquire()
+
+    def allow_state_dict_read(self) -> None:
+        self._state_lock.release()
+
+    def _manager_state_dict(self) -> dict[str, Any]:
+        with self._state_lock:
+            user = {key: save() for key, (_, save) in self._state_fns.items()}
+            return {"user": user, "ft": {"step": self._step, "batches_committed": self._batches_committed}}
+
+    def state_dict(self) -> dict[str, int]:
+        """The Manager's own progress; checkpoint it with the model."""
+        return {"step": self._step, "batches_committed": self._batches_committed}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self._step = int(state_dict["step"])
+        self._batches_committed = int(state_dict["batches_committed"])
+
+    # ----------------------------------------------------------------- errors
+
+    def report_error(self, e: Exception) -> None:
+        """Record an error for this step: the step will not commit. Never raises."""
+        with self._error_lock:
+            first = self._errored is None
+            if first:
+                self._errored = e
+        if first:
+            logger.warning("%s error recorded, this step will not commit: %s", self._prefix(), e)
+            self._emit("error", message=f"{type(e).__name__}: {e}")
+
+    def errored(self) -> Exception | None:
+        return self._errored
+
+    def wrap_future(self, fut: Any, default: Any, timeout: timedelta | float | None = None) -> torch.futures.Future:
+        """A future that never fails: fut's value, or `default` after recording the error or timeout."""
+        timed = ft_futures.future_timeout(fut, timeout if timeout is not None else self.config.timeout,
+                                          what=f"{self._prefix()} wrapped future")
+        return ft_futures.recover(timed, default, self.report_error)
+
+    def _on_collective_error(self, e: BaseException) -> None:
+        self.report_error(e if isinstance(e, Exception) else FTError(str(e)))
+        with self._error_lock:
+            if self._pg_broken:
+                return
+            self._pg_broken = True
+            self._quorum_id = -1  # rebuild at the next quorum whatever its id
+        # Aborting makes peers blocked on us fail now instead of at their timeout.
+        if not self._closed:
+            try:
+                self._executor.submit(self._abort_pg)
+            except RuntimeError:  # executor already shut down
+                pass
+
+    def _abort_pg(self) -> None:
+        try:
+            self._pg.abort()
+        except Exception as exc:  # best effort: the next configure rebuilds it anyway
+            logger.info("%s process group abort failed: %s", self._prefix(), exc)
+
+    # ----------------------------------------------------------------- quorum
+
+    def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False,
+                     timeout: timedelta | float | None = None) -> None:
+        """Start this step's quorum (returns at once in async mode; sync mode also heals now)."""
+        if self._quorum_future is not None:
+            try:
+                self._quorum_future.result()
+            except Exception:  # already surfaced through wait_quorum/should_commit, or irrelevant now
+                pass
+        with self._error_lock:
+            self._errored = None
+            self._pg_broken = False
+        self._healing = False
+        self._pending_state_dict = None
+        quorum_timeout = ft_futures._seconds(timeout) if timeout is not None else \
+            self.config.quorum_timeout.total_seconds()
+        self._quorum_timeout_s = quorum_timeout
+        self._quorum_future = self._executor.submit(self._async_quorum, allow_heal, shrink_only, quorum_timeout)
+        if not self.config.use_async_quorum:
+            self.wait_quorum()
+            if self._pending_state_dict is not None:
+                self._apply_pending_state_dict()
+
+    def wait_quorum(self) -> None:
+        """Block until this step's quorum (and healing transfer) is done; raises if the quorum failed."""
+        fut = self._quorum_future
+        if fut is None:
+            raise FTError(f"{self._prefix()} wait_quorum before start_quorum: call start_quorum() first "
+                          f"(OptimizerWrapper.zero_grad does)")
+        bound = getattr(self, "_quorum_timeout_s", 60.0) + 3 * self.config.timeout.total_seconds() + _MARGIN_S
+        try:
+            fut.result(timeout=bound)
+        except concurrent.futures.TimeoutError:
+            raise FTTimeoutError(f"{self._prefix()} quorum did not finish within {bound:.3g}s") from None
+
+    def _quorum_call(self, shrink_only: bool, timeout_s: float) -> QuorumResult:
+        cfg = self.config
+        args = dict(group_rank=cfg.group_rank, step=self._step, checkpoint_metadata=self._transport.metadata(),
+                    shrink_only=shrink_only, timeout=timedelta(seconds=timeout_s), init_sync=cfg.init_sync,
+                    commit_failures=self._commit_failures)
+        if self._server is not None:
+            return self._server.quorum_local(**args)
+        return self._client.quorum(**args)
+
+    def _async_quorum(self, allow_heal: bool, shrink_only: bool, timeout_s: float) -> None:
+        cfg = self.config
+        started = time.perf_counter()
+        result = self._quorum_call(shrink_only, timeout_s)  # errors propagate to wait_quorum
+        quorum_s = time.perf_counter() - started
+        rank, world = participation(result, use_async_quorum=cfg.use_async_quorum, allow_heal=allow_heal,
+                                    init_sync=cfg.init_sync, mode=cfg.world_size_mode,
+                                    min_replica_size=cfg.min_replica_size)
+        self._participating_rank, self._participating_world_size = rank, world
+        heal = allow_heal and result.heal
+        changed = result.quorum_id != self._quorum_id
+        if changed or heal or result.recover_dst_replica_ranks:
+            logger.info("%s quorum %d: replica rank %d/%d, participants %d, max_step %d, heal=%s, sends to %s",
+                        self._prefix(), result.quorum_id, result.replica_rank, result.replica_world_size, world,
+                        result.max_step, heal, result.recover_dst_replica_ranks)
+        self._emit("quorum", quorum_id=result.quorum_id, replica_rank=result.replica_rank,
+                   replica_world_size=result.replica_world_size, num_participants=world, max_step=result.max_step,
+                   heal=heal, seconds=quorum_s, changed=changed)
+        if changed:
+            store = f"{result.store_address}/ft/{result.quorum_id}/{cfg.group_rank}"
+            try:
+                self._pg.configure(store, cfg.replica_id, result.replica_rank, result.replica_world_size,
+                                   quorum_id=result.quorum_id, group_rank=cfg.group_rank,
+                                   group_world_size=cfg.group_world_size)
+            except Exception as exc:
+                self._pg_broken = True
+                self._quorum_id = -1
+                self.report_error(exc)
+                return
+            self._quorum_id = result.quorum_id
+        if not allow_heal:
+            return
+        if result.recover_dst_replica_ranks:
+            try:
+                self._transport.send_checkpoint(result.recover_dst_replica_ranks, result.max_step,
+                                                self._manager_state_dict(), cfg.timeout)
+            except Exception as exc:
+                self.report_error(exc)
+        if heal:
+            self._healing = True
+            try:
+                self._fetch_checkpoint(result)
+            except Exception as exc:
+                self.report_error(exc)
+
+    def _fetch_checkpoint(self, result: QuorumResult) -> None:
+        from ft_core.manager_client import ManagerClient
+
+        cfg = self.config
+        started = time.perf_counter()
+        with ManagerClient(result.recover_src_manager_address, cfg.connect_timeout, token=cfg.token) as client:
+            metadata = client.checkpoint_metadata(cfg.group_rank, cfg.timeout)
+        state = self._transport.recv_checkpoint(result.recover_src_replica_rank, metadata, result.max_step,
+                                                cfg.timeout)
+        ft_state = state.get("ft") if isinstance(state, dict) else None
+        if not isinstance(ft_state, dict) or not isinstance(state.get("user"), dict):
+            raise CheckpointError(f"{self._prefix()} checkpoint from replica rank {result.recover_src_replica_rank} "
+                                  f"is malformed: expected {{'user': ..., 'ft': {{step, batches_committed}}}}")
+        if ft_state.get("step") != result.max_step:
+            raise CheckpointError(f"{self._prefix()} checkpoint from replica rank {result.recover_src_replica_rank} "
+                                  f"is for step {ft_state.get('step')}, expected {result.max_step}; "
+                                  f"will retry at the next quorum")
+        self._pending_state_dict = state["user"]
+        self._heal_info = {"source_replica_rank": result.recover_src_replica_rank,
+                           "transfer_seconds": time.perf_counter() - started, "nbytes": _nbytes(state["user"])}
+        self._step = int(ft_state["step"])
+        self._batches_committed = int(ft_state["batches_committed"])
+
+    def _apply_pending_state_dict(self) -> None:
+        started = time.perf_counter()
+        user, self._pending_state_dict = self._pending_state_dict, None
+        try:
+            missing = sorted(set(self._state_fns) - set(user))
+            if missing:
+                raise CheckpointError(f"{self._prefix()} healed state lacks registered key(s) {missing}; every group "
+                                      f"must register the same state dict functions")
+            for key, (load, _) in self._state_fns.items():
+                load(user[key])
+        except Exception as exc:
+            self.report_error(exc)
+            return
+        load_s = time.perf_counter() - started
+        info = self._heal_info
+        logger.info("%s healed from replica rank %s: %d bytes, transfer %.3fs, load %.3fs", self._prefix(),
+                    info.get("source_replica_rank"), info.get("nbytes", 0), info.get("transfer_seconds", 0.0), load_s)
+        self._emit("heal", source_replica_rank=info.get("source_replica_rank"),
+                   seconds=info.get("transfer_seconds", 0.0) + load_s, transfer_seconds=info.get("transfer_seconds"),
+                   load_seconds=load_s, nbytes=info.get("nbytes", 0))
+
+    # ----------------------------------------------------------------- collectives
+
+    def allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp = ReduceOp.AVG) -> ManagedWork:
+        """In-place allreduce across replica groups; AVG divides by num_participants. Never raises for
+        communication errors (they are recorded and the step will not commit)."""
+        _check_reduce_op(tensor, reduce_op)
+        return ManagedWork(self, self._allreduce_future(tensor, reduce_op), tensor)
+
+    def _allreduce_future(self, tensor: torch.Tensor, reduce_op: ReduceOp = ReduceOp.AVG) -> torch.futures.Future:
+        """The collective as an eager torch Future that never fails (value: `tensor`)."""
+        try:
+            self.wait_quorum()
+            if self._pg_broken:
+                return ft_futures.completed_future(tensor)
+            n = self._participating_world_size
+            if not self.is_participating():
+                tensor.zero_()
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = ReduceOp.SUM if reduce_op == ReduceOp.AVG else reduce_op
+            work = self._pg.allreduce([tensor], opts)
+            if reduce_op == ReduceOp.AVG:
+                fut = ft_futures.chain(work.get_future(), lambda _v: tensor.div_(max(n, 1)))
+            else:
+                fut = ft_futures.chain(work.get_future(), lambda _v: tensor)
+            timed = ft_futures.future_timeout(fut, self.config.timeout, what=f"{self._prefix()} allreduce")
+            return ft_futures.recover(timed, tensor, self._on_collective_error)
+        except Exception as exc:
+            self._on_collective_error(exc)
+            return ft_futures.completed_future(tensor)
+
+    # ----------------------------------------------------------------- commit
+
+    def should_commit(self, timeout: timedelta | float | None = None) -> bool:
+        """Load a pending healed state, then vote group-wide; True => run the optimizer step."""
+        self.wait_quorum()
+        pg_error = self._pg_error()
+        if pg_error is not None:
+            self.report_error(pg_error)
+        if self._pending_state_dict is not None:
+            self._apply_pending_state_dict()
+        n = self._participating_world_size
+        local = n >= self.config.min_replica_size and self._errored is None
+        decision = self._vote(local, timeout if timeout is not None else self.config.timeout)
+        self._transport.disallow_checkpoint()
+        if decision:
+            self._step += 1
+            self._batches_committed += n
+            self._commit_failures = 0
+        else:
+            self._commit_failures += 1
+            logger.warning("%s step not committed (participants %d, min %d, error %s); consecutive failures %d",
+                           self._prefix(), n, self.config.min_replica_size, self._errored, self._commit_failures)
+        self._emit("commit", committed=decision, num_participants=n)
+        max_retries = self.config.max_retries
+        if not decision and max_retries is not None and self._commit_failures > max_retries:
+            raise CommitError(f"{self._prefix()} {self._commit_failures} consecutive steps failed to commit "
+                              f"(max_retries={max_retries}); last error: {self._errored}")
+        return decision
+
+    def _vote(self, local: bool, timeout: timedelta | float) -> bool:
+        cfg = self.config
+        try:
+            if self._server is not None:
+                return self._server.should_commit_local(cfg.group_rank, self._step, local, timeout)
+            return self._client.should_commit(cfg.group_rank, self._step, local, timeout)
+        except FTError as exc:
+            self.report_error(exc)
+            return False
+
+    def _pg_error(self) -> Exception | None:
+        errored = getattr(self._pg, "errored", None)
+        if errored is None:
+            return None
+        try:
+            return errored()
+        except Exception as exc:
+            return exc
+
+    # ----------------------------------------------------------------- accessors
+
+    def current_step(self) -> int:
+        return self._step
+
+    def batches_committed(self) -> int:
+        return self._batches_committed
+
+    def participating_rank(self) -> int | None:
+        """This group's rank among the contributing groups (None when healing or a spare)."""
+        self.wait_quorum()
+        return self._participating_rank if self.is_participating() else None
+
+    def num_participants(self) -> int:
+        """Number of contributing groups this step (0 before the first quorum)."""
+        if self._quorum_future is None:
+            return 0
+        self.wait_quorum()
+        return self._participating_world_size
+
+    def is_participating(self) -> bool:
+        if self._participating_rank is None:
+            return False
+        return not (self._healing and self.config.use_async_quorum)
+
+    @property
+    def replica_id(self) -> str:
+        return self.config.replica_id
+
+    @property
+    def group_rank(self) -> int:
+        return self.config.group_rank
+
+    @property
+    def group_world_size(self) -> int:
+        return self.config.group_world_size
+
+    @property
+    def store_address(self) -> str:
+        return self._store_address
+
+    @property
+    def checkpoint_transport(self) -> Any:
+        return self._transport
+
+    # ----------------------------------------------------------------- events and lifecycle
+
+    def _prefix(self) -> str:
+        return f"[{self.config.replica_id if hasattr(self, 'config') else '?'}/{self._group_rank_or_0()} - step {self._step}]"
+
+    def _group_rank_or_0(self) -> int:
+        return self.config.group_rank if hasattr(self, "config") else 0
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        if not events.isEnabledFor(logging.INFO):
+            return
+        event = {"type": kind, "replica_id": self.config.replica_id, "group_rank": self.config.group_rank,
+                 "step": self._step, "time": time.time(), **fields}
+        events.info("%s %s %s", self._prefix(), kind, fields, extra={"ft_event": event})
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the quorum thread, the transport, the manager server and clients. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._executor.shutdown(wait=wait, cancel_futures=True)
+        try:
+            self._transport.shutdown(wait=wait)
+        finally:
+            if self._server is not None:
+                self._server.shutdown()
+            if self._client is not None:
+                self._client.close()
+        logger.info("%s manager shut down", self._prefix())
+
+    def __enter__(self) -> "Manager":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _check_reduce_op(tensor: torch.Tensor, reduce_op: ReduceOp) -> None:
+    if reduce_op == ReduceOp.AVG and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise ConfigError(f"allreduce with ReduceOp.AVG needs a floating point tensor, got {tensor.dtype}; "
+                          f"use ReduceOp.SUM for integers and divide yourself")
+
+
+def dataclass_replace(cfg: ManagerConfig, **changes: Any) -> ManagerConfig:
+    import dataclasses
+
+    return dataclasses.replace(cfg, **changes)

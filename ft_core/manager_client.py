@@ -1,0 +1,96 @@
+"""Client of a replica group's manager server, and the wire form of a recovery plan.
+
+Every call carries a deadline and the shared token; a deadline or cancel surfaces as
+FTTimeoutError (a TimeoutError), anything else as a typed RPCError naming peer, call and fix.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from ft_core import rpc
+from ft_core.env import resolve_str
+from ft_core.errors import ConfigError
+from ft_core.proto import ft_pb2, ft_pb2_grpc
+from ft_core.recovery import QuorumResult
+
+__all__ = ["ManagerClient", "result_from_pb", "result_to_pb"]
+
+
+def result_to_pb(result: QuorumResult) -> ft_pb2.ManagerQuorumResponse:
+    msg = ft_pb2.ManagerQuorumResponse(
+        quorum_id=result.quorum_id, recover_src_manager_address=result.recover_src_manager_address,
+        recover_dst_replica_ranks=result.recover_dst_replica_ranks, store_address=result.store_address,
+        max_step=result.max_step, max_world_size=result.max_world_size, replica_rank=result.replica_rank,
+        replica_world_size=result.replica_world_size, heal=result.heal, commit_failures=result.commit_failures,
+        replica_ids=result.replica_ids)
+    if result.recover_src_replica_rank is not None:
+        msg.recover_src_replica_rank = result.recover_src_replica_rank
+    if result.max_replica_rank is not None:
+        msg.max_replica_rank = result.max_replica_rank
+    return msg
+
+
+def result_from_pb(msg: ft_pb2.ManagerQuorumResponse) -> QuorumResult:
+    return QuorumResult(
+        quorum_id=msg.quorum_id, replica_rank=msg.replica_rank, replica_world_size=msg.replica_world_size,
+        recover_src_manager_address=msg.recover_src_manager_address,
+        recover_src_replica_rank=msg.recover_src_replica_rank if msg.HasField("recover_src_replica_rank") else None,
+        recover_dst_replica_ranks=list(msg.recover_dst_replica_ranks), store_address=msg.store_address,
+        max_step=msg.max_step,
+        max_replica_rank=msg.max_replica_rank if msg.HasField("max_replica_rank") else None,
+        max_world_size=msg.max_world_size, heal=msg.heal, commit_failures=msg.commit_failures,
+        replica_ids=list(msg.replica_ids))
+
+
+
+class ManagerClient:
+    """Client of one group's manager server; every call has a deadline and typed errors."""
+
+    def __init__(self, addr: str, connect_timeout: timedelta | float = timedelta(seconds=10),
+                 token: str | None = None) -> None:
+        self._addr = rpc.normalize_address(addr)
+        if not self._addr:
+            raise ConfigError("ManagerClient needs the manager server address (host:port)")
+        self._token = resolve_str(token, "FT_TOKEN", None) or None
+        self._channel = rpc.connect(self._addr, connect_timeout, call_name=f"connect to manager server {self._addr}")
+        self._stub = ft_pb2_grpc.ManagerServiceStub(self._channel)
+
+    def address(self) -> str:
+        return self._addr
+
+    def _call(self, method: Any, request: Any, name: str, timeout: timedelta | float) -> Any:
+        return rpc.call(method, request, peer=f"manager server {self._addr}", name=name, timeout=timeout,
+                        token=self._token)
+
+    def quorum(self, group_rank: int, step: int, checkpoint_metadata: str, shrink_only: bool,
+               timeout: timedelta | float, init_sync: bool = True, commit_failures: int = 0) -> QuorumResult:
+        """Join the group's quorum as `group_rank`; returns this rank's recovery plan."""
+        request = ft_pb2.ManagerQuorumRequest(group_rank=group_rank, step=step,
+                                              checkpoint_metadata=checkpoint_metadata, shrink_only=shrink_only,
+                                              init_sync=init_sync, commit_failures=commit_failures)
+        return result_from_pb(self._call(self._stub.Quorum, request, "Quorum", timeout))
+
+    def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: timedelta | float) -> bool:
+        """The group-wide commit decision for `step` (AND of every rank's vote)."""
+        request = ft_pb2.ShouldCommitRequest(group_rank=group_rank, step=step, should_commit=should_commit)
+        return self._call(self._stub.ShouldCommit, request, "ShouldCommit", timeout).should_commit
+
+    def checkpoint_metadata(self, group_rank: int, timeout: timedelta | float) -> str:
+        """The checkpoint transport address that `group_rank` of this group registered."""
+        request = ft_pb2.CheckpointMetadataRequest(group_rank=group_rank)
+        return self._call(self._stub.CheckpointMetadata, request, "CheckpointMetadata", timeout).checkpoint_metadata
+
+    def kill(self, msg: str, timeout: timedelta | float) -> None:
+        """Ask the server's process to exit (needs the token, see the module docstring)."""
+        self._call(self._stub.Kill, ft_pb2.KillRequest(msg=msg), "Kill", timeout)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "ManagerClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,175 @@
+"""The lighthouse's quorum decision (DESIGN.md section 5) as pure functions of (state, now).
+
+The gRPC/HTTP shell in `ft_core.lighthouse` keeps the state and calls `decide()` on every
+Quorum call, every heartbeat change and every tick; nothing here touches threads, clocks or
+the network, so every rule is covered by table tests (tests/test_quorum_rules.py).
+
+Times are float seconds on one monotonic clock chosen by the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from ft_core.types import Quorum, QuorumMember
+
+MAX_DATA_BYTES = 64 * 1024  # user JSON carried in QuorumMember.data
+MAX_FIELD_CHARS = 1024  # replica_id, address, store_address
+
+
+@dataclass(frozen=True)
+class QuorumConfig:
+    """The knobs of the quorum rules."""
+
+    min_replicas: int = 1
+    join_timeout_ms: int = 60_000
+    heartbeat_timeout_ms: int = 5_000
+
+    @property
+    def join_timeout_s(self) -> float:
+        return self.join_timeout_ms / 1000.0
+
+    @property
+    def heartbeat_timeout_s(self) -> float:
+        return self.heartbeat_timeout_ms / 1000.0
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A replica group waiting in a Quorum call, and when it joined."""
+
+    member: QuorumMember
+    joined_at: float
+
+
+@dataclass(frozen=True)
+class LighthouseState:
+    """What the decision needs: who waits, who heartbeats, and the previous quorum."""
+
+    waiting: Mapping[str, Joined]
+    heartbeats: Mapping[str, float]  # replica_id -> time of last heartbeat
+    prev_quorum: Quorum | None = None
+    quorum_id: int = 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of one decision: participants to issue now (None: keep waiting) and why."""
+
+    participants: tuple[QuorumMember, ...] | None
+    reason: str
+    quorum_id: int  # the id the quorum gets if issued; the current id otherwise
+    fast: bool = False
+
+
+def healthy_replicas(heartbeats: Mapping[str, float], now: float, config: QuorumConfig) -> set[str]:
+    """Rule 1: replicas whose last heartbeat is younger than heartbeat_timeout."""
+    limit = config.heartbeat_timeout_s
+    return {rid for rid, seen in heartbeats.items() if now - seen < limit}
+
+
+def next_quorum_id(prev_quorum: Quorum | None, quorum_id: int, participants: Iterable[QuorumMember]) -> int:
+    """Rule 5 plus restart safety: the id the quorum of `participants` gets.
+
+    It bumps when there is no previous quorum, when the sorted replica ids differ from the
+    previous quorum's, when any participant reports commit_failures > 0 (forces every group
+    to rebuild its process group), or when a participant has seen a higher id than ours (a
+    restarted or other lighthouse issued it). A bump gives max(ours, highest reported) + 1,
+    so a restarted lighthouse never issues an id a manager has already seen. Changes of
+    address or step alone keep the id.
+    """
+    members = list(participants)
+    highest_seen = max((m.last_quorum_id for m in members), default=0)
+    ids = sorted(m.replica_id for m in members)
+    bump = (prev_quorum is None
+            or ids != sorted(prev_quorum.replica_ids)
+            or any(m.commit_failures > 0 for m in members)
+            or highest_seen > quorum_id)
+    return max(quorum_id, highest_seen) + 1 if bump else quorum_id
+
+
+def decide(state: LighthouseState, now: float, config: QuorumConfig) -> Decision:
+    """Rules 1-5: whether a quorum can be issued now, with whom, and the reason either way."""
+    healthy = healthy_replicas(state.heartbeats, now, config)
+    joined = {rid: j for rid, j in state.waiting.items() if rid in healthy}
+    candidates = [joined[rid].member for rid in sorted(joined)]
+    shrink_only = any(m.shrink_only for m in candidates)
+    tag = (f"[{len(joined)}/{len(state.waiting)} participants healthy][{len(healthy)} heartbeating]"
+           f"[shrink_only={shrink_only}]")
+
+    def wait(why: str) -> Decision:
+        return Decision(None, f"{why} {tag}", state.quorum_id)
+
+    def issue(members: list[QuorumMember], why: str, fast: bool = False) -> Decision:
+        qid = next_quorum_id(state.prev_quorum, state.quorum_id, members)
+        return Decision(tuple(members), f"{why} {tag}", qid, fast)
+
+    if not state.waiting:
+        return wait("No replica is waiting for a quorum.")
+    if not joined:
+        return wait(f"No waiting replica is healthy (no heartbeat within {config.heartbeat_timeout_ms} ms).")
+
+    prev = state.prev_quorum
+    if prev is not None:
+        prev_ids = set(prev.replica_ids)
+        if shrink_only:  # rule 2: only members of the previous quorum may take part
+            candidates = [m for m in candidates if m.replica_id in prev_ids]
+        if prev_ids and prev_ids <= joined.keys():  # rule 3: fast quorum
+            return issue(candidates, "Fast quorum found!", fast=True)
+
+    # Rule 4. min_replicas counts the participants actually issued (after shrink_only), so a
+    # quorum never has fewer than min_replicas outside the fast path. The majority counts every
+    # healthy waiting replica: a joiner held back by shrink_only has joined, it is no straggler.
+    if len(candidates) < config.min_replicas:
+        held = f" ({len(joined) - len(candidates)} held back by shrink_only)" if len(candidates) < len(joined) else ""
+        return wait(f"New quorum not ready, only have {len(candidates)} participants{held}, "
+                    f"need min_replicas {config.min_replicas}.")
+    if 2 * len(joined) <= len(healthy):
+        return wait(f"New quorum not ready, only have {len(joined)} participants, "
+                    f"need more than half of {len(healthy)} healthy replicas (split-brain guard).")
+    stragglers = len(healthy) - len(joined)
+    if stragglers > 0:
+        first_join = min(j.joined_at for j in joined.values())
+        left = config.join_timeout_s - (now - first_join)
+        if left > 0:
+            return wait(f"Valid quorum with {len(candidates)} participants, waiting for {stragglers} healthy but "
+                        f"not participating stragglers due to join timeout ({left:.1f} s left).")
+    return issue(candidates, "Valid quorum found.")
+
+
+def member_problem(member: QuorumMember | None) -> str | None:
+    """Why a requester is malformed (answered with INVALID_ARGUMENT), or None when it is fine."""
+    if member is None:
+        return "missing requester: send a QuorumMember"
+    if not member.replica_id:
+        return "empty replica_id: every replica group needs a unique, non-empty replica_id"
+    for name in ("replica_id", "address", "store_address"):
+        if len(getattr(member, name)) > MAX_FIELD_CHARS:
+            return f"{name} is longer than {MAX_FIELD_CHARS} characters"
+    if member.world_size < 1:
+        return f"world_size must be >= 1 (ranks in the replica group), got {member.world_size}"
+    if member.step < 0:
+        return f"step must be >= 0, got {member.step}"
+    if member.commit_failures < 0:
+        return f"commit_failures must be >= 0, got {member.commit_failures}"
+    if member.last_quorum_id < 0:
+        return f"last_quorum_id must be >= 0, got {member.last_quorum_id}"
+    size = len(member.data.encode())
+    if size > MAX_DATA_BYTES:
+        return f"data field is {size} bytes, over the {MAX_DATA_BYTES}-byte limit: send less user data"
+    return None
+
+
+def replica_id_problem(replica_id: str) -> str | None:
+    """Why a heartbeat's replica_id is malformed, or None."""
+    if not replica_id:
+        return "empty replica_id: every replica group needs a unique, non-empty replica_id"
+    if len(replica_id) > MAX_FIELD_CHARS:
+        return f"replica_id is longer than {MAX_FIELD_CHARS} characters"
+    return None
+
+
+def prune_heartbeats(heartbeats: Mapping[str, float], now: float, keep_s: float) -> list[str]:
+    """Replica ids whose heartbeat is older than keep_s: long expired, to be forgotten."""
+    return [rid for rid, seen in heartbeats.items() if now - seen > keep_s]

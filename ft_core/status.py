@@ -1,0 +1,118 @@
+"""`ftl status`: the lighthouse's quorum and members as a table (or JSON), read from its HTTP /status.
+
+Where it looks, first match wins: `--lighthouse ADDR`, then FT_LIGHTHOUSE_HTTP, then FT_LIGHTHOUSE,
+then http://127.0.0.1:29511 (the default `ftl lighthouse --http-bind`). ADDR may be several,
+comma-separated. An `http://host:port` address is the status server itself; a bare `host:port`
+is tried as the status server and then as a lighthouse gRPC address whose status server is on the
+next port (the defaults 29510 -> 29511). The token comes from `--token` or FT_TOKEN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import urllib.error
+import urllib.request
+from http.client import HTTPException
+from typing import Any
+
+from ft_core.errors import AuthError, ConfigError, RPCError
+from ft_core.rpc import normalize_address
+
+DEFAULT_STATUS_URL = "http://127.0.0.1:29511"
+
+
+def status_urls(addr: str | None) -> list[str]:
+    """Candidate base URLs of the lighthouse's status server for `addr` (see the module docstring)."""
+    raw = addr or os.environ.get("FT_LIGHTHOUSE_HTTP") or os.environ.get("FT_LIGHTHOUSE") or DEFAULT_STATUS_URL
+    urls: list[str] = []
+    for item in (part.strip() for part in raw.split(",")):
+        if not item:
+            continue
+        if item.startswith(("http://", "https://")):
+            base = item.rstrip("/")
+            urls.append(base[: -len("/status")] if base.endswith("/status") else base)
+            continue
+        host, sep, port = normalize_address(item).rpartition(":")
+        if not sep or not port.isdigit():
+            raise ConfigError(f"ftl status: {item!r} is not HOST:PORT or http://HOST:PORT")
+        urls.append(f"http://{host}:{port}")
+        urls.append(f"http://{host}:{int(port) + 1}")
+    if not urls:
+        raise ConfigError(f"ftl status: no address in {raw!r}")
+    return list(dict.fromkeys(urls))
+
+
+def fetch_status(addr: str | None, token: str | None = None, timeout_s: float = 5.0) -> dict[str, Any]:
+    """GET /status from the first candidate that answers with JSON."""
+    problems = []
+    for base in status_urls(addr):
+        request = urllib.request.Request(f"{base}/status")
+        if token:
+            request.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            if exc.code == 401:
+                raise AuthError(f"GET {base}/status was rejected (401): pass --token or set FT_TOKEN to the job's "
+                                f"token", peer=base, call="GET /status", code="UNAUTHENTICATED") from None
+            problems.append(f"{base}: HTTP {exc.code}")
+        except (OSError, HTTPException, ValueError) as exc:
+            problems.append(f"{base}: {exc}")
+    raise RPCError(f"no lighthouse status server answered ({'; '.join(problems)}); pass --lighthouse "
+                   f"http://HOST:PORT (the lighthouse's --http-bind)", call="GET /status", code="UNAVAILABLE")
+
+
+def render(status: dict[str, Any]) -> Any:
+    """A rich Table of the members, titled with the quorum."""
+    from rich.table import Table
+
+    quorum = status.get("quorum")
+    title = (f"quorum {status['quorum_id']}: {len(quorum['participants'])} participants, "
+             f"issued {quorum['age_s']:.1f} s ago" if quorum else "no quorum issued yet")
+    table = Table(title=title, caption=f"max step {status['max_step']} · min_replicas {status['min_replicas']}")
+    for column in ("replica", "state", "step", "manager", "store", "world size", "heartbeat"):
+        table.add_column(column)
+    for m in status["members"]:
+        if not m["healthy"]:
+            state = "[red]dead[/red]"
+        elif m.get("recovering"):
+            state = "[yellow]recovering[/yellow]"
+        elif m["waiting"]:
+            state = "[yellow]waiting[/yellow]"
+        elif m["in_quorum"]:
+            state = "[green]in quorum[/green]"
+        else:
+            state = "alive"
+        age = m.get("heartbeat_age_s")
+        table.add_row(m["replica_id"], state, str(m.get("step", "-")), m.get("address") or "-",
+                      m.get("store_address") or "-", str(m.get("world_size") or "-"),
+                      "-" if age is None else f"{age:.1f} s ago")
+    return table
+
+
+def main(argv: list[str]) -> int:
+    from rich.console import Console
+
+    parser = argparse.ArgumentParser(prog="ftl status", description="Show the lighthouse's quorum and members.")
+    parser.add_argument("--lighthouse", default=None,
+                        help="status server http://HOST:PORT or lighthouse HOST:PORT (default: FT_LIGHTHOUSE_HTTP, "
+                             f"FT_LIGHTHOUSE, then {DEFAULT_STATUS_URL})")
+    parser.add_argument("--token", default=None, help="the job's shared token (default FT_TOKEN)")
+    parser.add_argument("--json", action="store_true", help="print the raw /status JSON")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the lighthouse")
+    opts = parser.parse_args(argv)
+    console = Console()
+    try:
+        status = fetch_status(opts.lighthouse, opts.token or os.environ.get("FT_TOKEN") or None, opts.timeout)
+    except (ConfigError, RPCError) as exc:
+        Console(stderr=True).print(f"[red]ftl status: {exc}[/red]")
+        return 1
+    if opts.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    console.print(render(status))
+    console.print(f"next quorum: {status['reason']}", markup=False)
+    return 0

@@ -1,0 +1,234 @@
+"""What the Trainer and Fabric strategies share: settings, Manager creation, state made safe for the
+checkpoint transport, RNG snapshots, and keeping an AMP GradScaler consistent on a skipped step.
+
+No Lightning imports here: both Lightning namespaces (and Fabric) use these helpers.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import sys
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from enum import Enum
+from os import PathLike, fspath
+from typing import Any
+
+import torch
+
+from ft_core.env import resolve, resolve_bool, resolve_int, resolve_seconds, resolve_str
+from ft_core.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "gloo", "nccl")
+WORLD_SIZE_MODES = ("dynamic", "fixed_with_spares")
+
+
+def _choice(choices: tuple[str, ...], what: str, env: str):
+    def parse(raw: str) -> str:
+        value = str(raw).strip().lower().replace("-", "_")
+        if value not in choices:
+            raise ConfigError(f"{what}={raw!r} is not one of {'|'.join(choices)}; fix the argument or {env}")
+        return value
+    return parse
+
+
+@dataclass(frozen=True)
+class FTSettings:
+    """Fault-tolerance settings of one replica group, resolved once: a set environment variable
+    overrides the argument, which overrides the default (the names match the Accelerate plugin)."""
+
+    lighthouse_addr: str | None
+    replica_id: str | None
+    replica_group_id: int
+    num_replica_groups: int
+    min_replica_size: int
+    timeout: timedelta
+    quorum_timeout: timedelta
+    connect_timeout: timedelta
+    world_size_mode: str
+    token: str | None = field(repr=False)
+    backend: str
+    use_async_quorum: bool
+    manager_port: int | None
+
+    @classmethod
+    def resolve(cls, *, lighthouse_addr: str | None = None, replica_id: str | None = None,
+                replica_group_id: int | None = None, num_replica_groups: int | None = None,
+                min_replica_size: int | None = None, timeout: timedelta | float | None = None,
+                quorum_timeout: timedelta | float | None = None,
+                connect_timeout: timedelta | float | None = None, world_size_mode: str | None = None,
+                token: str | None = None, cross_group_backend: str | None = None,
+                use_async_quorum: bool | None = None, manager_port: int | None = None) -> "FTSettings":
+        groups = resolve_int(num_replica_groups, "NUM_REPLICA_GROUPS", 1)
+        group = resolve_int(replica_group_id, "REPLICA_GROUP_ID", 0)
+        if groups < 1:
+            raise ConfigError(f"num_replica_groups (NUM_REPLICA_GROUPS) must be >= 1, got {groups}")
+        if not 0 <= group < groups:
+            raise ConfigError(f"replica_group_id (REPLICA_GROUP_ID) must be in 0..{groups - 1} for "
+                              f"num_replica_groups={groups}, got {group}; set NUM_REPLICA_GROUPS to the number "
+                              f"of replica groups")
+        min_size = resolve_int(min_replica_size, "FT_MIN_REPLICA_SIZE", 1)
+        if min_size < 1:
+            raise ConfigError(f"min_replica_size (FT_MIN_REPLICA_SIZE) must be >= 1, got {min_size}")
+        mode = resolve(world_size_mode, "FT_WORLD_SIZE_MODE", "dynamic",
+                       _choice(WORLD_SIZE_MODES, "world_size_mode", "FT_WORLD_SIZE_MODE"))
+        backend = resolve(cross_group_backend, "FT_BACKEND", "auto",
+                          _choice(BACKENDS, "cross_group_backend", "FT_BACKEND"))
+        sixty = timedelta(seconds=60)
+        return cls(
+            lighthouse_addr=resolve_str(lighthouse_addr, "FT_LIGHTHOUSE", None),
+            replica_id=replica_id,
+            replica_group_id=group,
+            num_replica_groups=groups,
+            min_replica_size=min_size,
+            timeout=resolve_seconds(timeout, "FT_TIMEOUT_SEC", sixty),
+            quorum_timeout=resolve_seconds(quorum_timeout, "FT_QUORUM_TIMEOUT_SEC", sixty),
+            connect_timeout=resolve_seconds(connect_timeout, "FT_CONNECT_TIMEOUT_SEC", sixty),
+            world_size_mode=_choice(WORLD_SIZE_MODES, "world_size_mode", "FT_WORLD_SIZE_MODE")(mode),
+            token=resolve_str(token, "FT_TOKEN", None),
+            backend=_choice(BACKENDS, "cross_group_backend", "FT_BACKEND")(backend),
+            use_async_quorum=resolve_bool(use_async_quorum, "FT_ASYNC_QUORUM", True),
+            manager_port=manager_port,
+        )
+
+    def group_dir_name(self) -> str:
+        """Directory every file of this replica group goes under (logs, checkpoints)."""
+        return f"replica_group_{self.replica_group_id}"
+
+    def describe(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["token"] = "set" if self.token else None
+        return out
+
+
+def cross_group_backend(settings: FTSettings, device: torch.device) -> str:
+    if settings.backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if settings.backend == "nccl" and device.type != "cuda":
+        raise ConfigError(f"cross_group_backend='nccl' needs CUDA devices, but this rank runs on {device}; "
+                          f"use 'gloo' or 'auto' (FT_BACKEND)")
+    return settings.backend
+
+
+def create_manager(settings: FTSettings, *, group_rank: int, group_world_size: int, device: torch.device,
+                   store_addr: str | None = None, store_port: int | None = None,
+                   extra: dict[str, Any] | None = None) -> Any:
+    """A Manager for this rank of the replica group, with a cross-group process group of the chosen backend."""
+    from ft_core.manager import Manager, WorldSizeMode
+    from ft_core.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+    backend = cross_group_backend(settings, device)
+    pg = ProcessGroupNCCL(timeout=settings.timeout) if backend == "nccl" else ProcessGroupGloo(timeout=settings.timeout)
+    mode = WorldSizeMode.FIXED_WITH_SPARES if settings.world_size_mode == "fixed_with_spares" else WorldSizeMode.DYNAMIC
+    replica_id = settings.replica_id or f"{settings.group_dir_name()}"
+    kwargs: dict[str, Any] = dict(
+        pg=pg, min_replica_size=settings.min_replica_size, use_async_quorum=settings.use_async_quorum,
+        timeout=settings.timeout, quorum_timeout=settings.quorum_timeout, connect_timeout=settings.connect_timeout,
+        rank=group_rank, world_size=group_world_size, world_size_mode=mode, store_addr=store_addr,
+        store_port=store_port, lighthouse_addr=settings.lighthouse_addr, replica_id=replica_id,
+        port=settings.manager_port, token=settings.token,
+    )
+    kwargs.update(extra or {})
+    logger.info("ft_lightning: starting the Manager of replica group %d/%d, group rank %d/%d, cross-group %s: %s",
+                settings.replica_group_id, settings.num_replica_groups, group_rank, group_world_size, backend,
+                settings.describe())
+    return Manager(**kwargs)
+
+
+# ---- state sent to a healing group -----------------------------------------------------------
+# The transport carries str-keyed dicts, lists, tensors, numpy arrays and scalars. Everything else
+# is encoded into those (tuples, dicts with int keys such as optimizer state) and decoded back.
+_TUPLE = "__ft_tuple__"
+_ITEMS = "__ft_items__"
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def to_transport(obj: Any, *, clone: bool = False, where: str = "state") -> Any:
+    """Encode `obj` for the checkpoint transport; `clone` copies tensors (the owner keeps training).
+    Raises TypeError naming the key for values that cannot be sent."""
+    if isinstance(obj, torch.Tensor):
+        tensor = obj.detach()
+        return tensor.clone() if clone else tensor
+    if isinstance(obj, Enum):
+        return to_transport(obj.value, clone=clone, where=where)
+    if isinstance(obj, _SCALARS):
+        return obj
+    if isinstance(obj, PathLike):
+        return fspath(obj)
+    if type(obj).__module__ == "numpy":
+        import numpy as np
+
+        if isinstance(obj, np.ndarray):
+            return obj.copy() if clone else obj
+        if isinstance(obj, np.generic):
+            return obj.item()
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith("__ft_") for k in obj):
+            return {k: to_transport(v, clone=clone, where=f"{where}.{k}") for k, v in obj.items()}
+        return {_ITEMS: [[to_transport(k, where=where), to_transport(v, clone=clone, where=f"{where}[{k!r}]")]
+                         for k, v in obj.items()]}
+    if isinstance(obj, tuple):
+        return {_TUPLE: [to_transport(v, clone=clone, where=f"{where}[{i}]") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [to_transport(v, clone=clone, where=f"{where}[{i}]") for i, v in enumerate(obj)]
+    raise TypeError(f"{where} holds a {type(obj).__name__}, which cannot be sent to a healing replica group")
+
+
+def from_transport(obj: Any) -> Any:
+    """Inverse of `to_transport` (tuples and non-str keys come back as they were)."""
+    if isinstance(obj, dict):
+        if set(obj) == {_TUPLE}:
+            return tuple(from_transport(v) for v in obj[_TUPLE])
+        if set(obj) == {_ITEMS}:
+            return {_hashable(from_transport(k)): from_transport(v) for k, v in obj[_ITEMS]}
+        return {k: from_transport(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [from_transport(v) for v in obj]
+    return obj
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(_hashable(k) for k in key) if isinstance(key, list) else key
+
+
+# ---- RNG --------------------------------------------------------------------------------------
+
+def capture_rng() -> dict[str, Any]:
+    """This process's RNG states (python, numpy when imported, torch CPU, CUDA when initialized)."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    np = sys.modules.get("numpy")
+    if np is not None:
+        state["numpy"] = np.random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Load states from `capture_rng` (after `from_transport`); parts this process lacks are skipped."""
+    python = state.get("python")
+    if python is not None:
+        version, internal, gauss = python
+        random.setstate((int(version), tuple(int(x) for x in internal), gauss))
+    if state.get("torch") is not None:
+        torch.set_rng_state(state["torch"].to(torch.uint8).cpu())
+    np = sys.modules.get("numpy")
+    if np is not None and state.get("numpy") is not None:
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached)))
+    cuda = state.get("cuda")
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([t.to(torch.uint8).cpu() for t in cuda])
+
+
+# ---- AMP --------------------------------------------------------------------------------------
+
+def forget_unscale(scaler: Any, optimizer: Any) -> None:
+    """After a skipped step, drop what `scaler.unscale_(optimizer)` recorded (it is normally cleared by
+    `update()`), so the next step can unscale again. Nothing else in the scaler changes."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if isinstance(states, dict):
+        states.pop(id(optimizer), None)

@@ -1,0 +1,114 @@
+"""Training data across replica groups: the sampler's shard, and moving a healed group's loader to
+the batch its source is at.
+
+Sharding: the training sampler spans every process of every replica group (shard
+`replica_group_id * group_world_size + group_rank` of `num_replica_groups * group_world_size`,
+as `ft_core.data.global_shard`); validation and test stay sharded inside the group only.
+
+Positioning: after healing, the group's fit loop counters say "epoch E, next batch k". The
+training loader is re-iterated for epoch E starting at batch k. For a DataLoader with a plain
+`BatchSampler`, the skip happens in the sampler (indices only, no data loaded); otherwise the k
+batches are drawn and dropped. Iterable datasets cannot be positioned (logged once).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any, Iterator
+
+from torch.utils.data import BatchSampler, DataLoader, Sampler
+
+logger = logging.getLogger(__name__)
+
+
+def training_shard(num_replica_groups: int, replica_group_id: int, group_world_size: int,
+                   group_rank: int) -> dict[str, int]:
+    """`DistributedSampler` kwargs for the training loader of one process."""
+    from ft_core.data import global_shard
+
+    rank, world = global_shard(replica_group_id, num_replica_groups, group_rank, group_world_size)
+    return {"num_replicas": world, "rank": rank}
+
+
+class _SkipFirst:
+    """Mixed into a sampler's class: the next `__iter__` skips `_ft_skip` indices, once."""
+
+    _ft_skip = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        skip, self._ft_skip = self._ft_skip, 0
+        indices = super().__iter__()  # type: ignore[misc]
+        return itertools.islice(indices, skip, None) if skip else indices
+
+
+_skip_classes: dict[type, type] = {}
+
+
+def _arm_skip(dataloader: Any, batches: int) -> bool:
+    """Make the loader's next iteration start `batches` batches in, in the sampler. False if unsupported."""
+    if not isinstance(dataloader, DataLoader) or dataloader.batch_size is None:
+        return False
+    batch_sampler = dataloader.batch_sampler
+    if type(batch_sampler) is not BatchSampler or not isinstance(batch_sampler.sampler, Sampler):
+        return False
+    sampler = batch_sampler.sampler
+    cls = type(sampler)
+    if not issubclass(cls, _SkipFirst):
+        skip_cls = _skip_classes.get(cls)
+        if skip_cls is None:
+            skip_cls = type(cls.__name__, (_SkipFirst, cls), {"__module__": cls.__module__,
+                                                               "__qualname__": cls.__qualname__})
+            _skip_classes[cls] = skip_cls
+        sampler.__class__ = skip_cls
+    sampler._ft_skip = batches * dataloader.batch_size
+    return True
+
+
+def _set_epoch(dataloader: Any, epoch: int) -> None:
+    for attr in ("sampler", "batch_sampler"):
+        sampler = getattr(dataloader, attr, None)
+        if sampler is not None and callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(epoch)
+
+
+_warned_unsized = False
+
+
+def reposition(trainer: Any, epoch: int, next_batch: int) -> None:
+    """Make the fit loop's next training batch be batch `next_batch` of epoch `epoch`."""
+    global _warned_unsized
+    fit = trainer.fit_loop
+    fetcher = fit._data_fetcher
+    combined = fit._combined_loader
+    if fetcher is None or combined is None:
+        return
+    if fetcher.length is None or type(fetcher).__name__ == "_DataLoaderIterDataFetcher":
+        if not _warned_unsized:
+            _warned_unsized = True
+            logger.warning("ft_lightning: the training loader has no length (iterable dataset) or the training step "
+                           "takes the iterator; a healed replica group reads on from where its loader is, not from "
+                           "its source's batch. Use max_steps to end training.")
+        return
+    loaders = list(combined.flattened)
+    for dl in loaders:
+        _set_epoch(dl, epoch)
+    if next_batch >= fetcher.length:  # the current batch is the epoch's last; the next epoch starts afresh
+        fetcher.done = True
+        fit.epoch_loop.batch_progress.is_last_batch = True
+        return
+    in_sampler = all(_arm_skip(dl, next_batch) for dl in loaders)
+    if not in_sampler:  # undo any partial arming, then skip by drawing batches
+        for dl in loaders:
+            sampler = getattr(getattr(dl, "batch_sampler", None), "sampler", None)
+            if isinstance(sampler, _SkipFirst):
+                sampler._ft_skip = 0
+    iter(fetcher)  # a fresh iterator over the combined loader (sets fetched=0)
+    if not in_sampler:
+        for _ in range(next_batch):
+            next(fetcher.iterator)
+    fetcher.fetched = next_batch
+    fetcher.done = next_batch >= fetcher.length
+    fit.epoch_loop.batch_progress.is_last_batch = fetcher.done
+    logger.info("ft_lightning: training data moved to epoch %d, batch %d (%s)", epoch, next_batch,
+                "skipped in the sampler" if in_sampler else "batches drawn and dropped")

@@ -1,0 +1,203 @@
+"""The fault-tolerant Fabric strategy, written once for `lightning.fabric` and `lightning_fabric`.
+
+Fabric has no loop, so the step is marked by the user's calls:
+- quorum: started by the first training-mode forward of a module set up by Fabric after the last
+  optimizer step (a forward pre-hook), or explicitly with `strategy.start_quorum()`;
+- backward: DDP's comm hook averages gradients inside the group, then across groups;
+- `optimizer.step()`: applied only when `manager.should_commit()` votes yes (once per step, shared
+  by every optimizer); `strategy.last_step_committed` tells the loop (e.g. to skip a scheduler);
+- healing: the modules and optimizers set up by Fabric, the precision (GradScaler), RNG states, and
+  anything passed to `strategy.register_state(name, obj)` (objects with `state_dict`/
+  `load_state_dict`: LR schedulers, a data position...) are loaded from a live group.
+
+Drive the loop by committed steps so a healed group continues where the others are:
+`while strategy.manager.current_step() < total_steps: batch = data[strategy.manager.current_step()]`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from datetime import timedelta
+from typing import Any
+
+from ft_lightning._common import (FTSettings, capture_rng, create_manager, forget_unscale, from_transport,
+                                  restore_rng, to_transport)
+from ft_lightning._registration import STRATEGY_NAME
+
+logger = logging.getLogger(__name__)
+
+
+class FaultTolerantFabricMixin:
+    """Fault tolerance across replica groups for a Fabric `DDPStrategy` (see the module docstring).
+
+    Takes the same fault-tolerance arguments as the Trainer strategy (`lighthouse_addr`,
+    `replica_group_id`, `num_replica_groups`, `replica_id`, `min_replica_size`, `timeout`,
+    `quorum_timeout`, `connect_timeout`, `world_size_mode`, `token`, `cross_group_backend`,
+    `use_async_quorum`, `manager_port`, `manager_kwargs`, `process_group_timeout`), each falling
+    back to its environment variable; other keyword arguments go to Fabric's `DDPStrategy`.
+    """
+
+    def __init__(self, lighthouse_addr: str | None = None, *, replica_group_id: int | None = None,
+                 num_replica_groups: int | None = None, replica_id: str | None = None,
+                 min_replica_size: int | None = None, timeout: timedelta | float | None = None,
+                 quorum_timeout: timedelta | float | None = None, connect_timeout: timedelta | float | None = None,
+                 world_size_mode: str | None = None, token: str | None = None,
+                 cross_group_backend: str | None = None, use_async_quorum: bool | None = None,
+                 manager_port: int | None = None, manager_kwargs: dict[str, Any] | None = None,
+                 process_group_timeout: timedelta | None = None, **kwargs: Any) -> None:
+        if process_group_timeout is not None:
+            kwargs["timeout"] = process_group_timeout
+        super().__init__(**kwargs)  # type: ignore[call-arg]
+        self._ft_settings = FTSettings.resolve(
+            lighthouse_addr=lighthouse_addr, replica_id=replica_id, replica_group_id=replica_group_id,
+            num_replica_groups=num_replica_groups, min_replica_size=min_replica_size, timeout=timeout,
+            quorum_timeout=quorum_timeout, connect_timeout=connect_timeout, world_size_mode=world_size_mode,
+            token=token, cross_group_backend=cross_group_backend, use_async_quorum=use_async_quorum,
+            manager_port=manager_port)
+        self._manager_kwargs = dict(manager_kwargs or {})
+        self._manager: Any = None
+        self._manager_live = False
+        self._ft_modules: list[Any] = []
+        self._ft_optimizers: list[Any] = []
+        self._ft_stateful: dict[str, Any] = {}
+        self._quorum_open = False
+        self._commit: bool | None = None
+        self._rng_at_quorum: dict[str, Any] | None = None
+        self.last_step_committed: bool | None = None
+
+    @property
+    def manager(self) -> Any:
+        """This group's `ft_core.Manager` (created in `setup_environment`, i.e. by `fabric.launch()`)."""
+        if self._manager is None:
+            raise RuntimeError("the fault-tolerant Manager is created when Fabric sets up the strategy "
+                               "(fabric.launch()); call it first")
+        return self._manager
+
+    @property
+    def settings(self) -> FTSettings:
+        return self._ft_settings
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if STRATEGY_NAME not in strategy_registry:
+            strategy_registry.register(STRATEGY_NAME, cls,
+                                       description="DDP inside one replica group, fault tolerant across groups "
+                                                   "(ft_lightning)")
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Shards across every process of every replica group (Fabric's `setup_dataloaders`)."""
+        from ft_lightning._data import training_shard
+
+        s = self._ft_settings
+        return training_shard(s.num_replica_groups, s.replica_group_id, self.world_size,  # type: ignore[attr-defined]
+                              self.global_rank)  # type: ignore[attr-defined]
+
+    def register_state(self, name: str, obj: Any) -> None:
+        """Also heal `obj` (anything with `state_dict()` / `load_state_dict()`), e.g. an LR scheduler."""
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise TypeError(f"register_state({name!r}, ...) needs an object with state_dict() and load_state_dict(), "
+                            f"got {type(obj).__name__}")
+        self._ft_stateful[name] = obj
+
+    # ---- set-up -----------------------------------------------------------------------------
+
+    def setup_environment(self) -> None:
+        super().setup_environment()  # type: ignore[misc]   # the group-only default process group
+        several = self.world_size > 1  # type: ignore[attr-defined]
+        env = self.cluster_environment  # type: ignore[attr-defined]
+        self._manager = create_manager(
+            self._ft_settings, group_rank=self.global_rank, group_world_size=self.world_size,  # type: ignore[attr-defined]
+            device=self.root_device, store_addr=env.main_address if several else None,  # type: ignore[attr-defined]
+            store_port=env.main_port if several else None, extra=self._manager_kwargs)
+        self._manager_live = True
+        self._manager.register_state_dict_fn("fabric", self._load_healed_state, self._healing_state)
+        atexit.register(self.shutdown)
+
+    def setup_module(self, module: Any) -> Any:
+        from ft_core.ddp import register_comm_hook
+
+        ddp = super().setup_module(module)  # type: ignore[misc]
+        register_comm_hook(ddp, self.manager)
+        ddp.register_forward_pre_hook(self._before_forward)
+        self._ft_modules.append(ddp.module)
+        return ddp
+
+    def setup_optimizer(self, optimizer: Any) -> Any:
+        self._ft_optimizers.append(optimizer)
+        return super().setup_optimizer(optimizer)  # type: ignore[misc]
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def start_quorum(self) -> None:
+        """Start this step's quorum now (otherwise the first training forward does it)."""
+        self._rng_at_quorum = capture_rng()
+        self._commit = None
+        self._quorum_open = True
+        self.manager.start_quorum()
+
+    def _before_forward(self, module: Any, args: Any) -> None:
+        if module.training and not self._quorum_open and self._manager_live:
+            self.start_quorum()
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        if self._manager is None:
+            return super().optimizer_step(optimizer, **kwargs)  # type: ignore[misc]
+        if self._commit is None:  # one vote per step, shared by every optimizer
+            if not self._quorum_open:
+                raise RuntimeError("optimizer.step() before any training forward of this step: run the forward "
+                                   "pass through the module Fabric set up, or call strategy.start_quorum() first")
+            self._commit = bool(self._manager.should_commit())  # applies a healed state first
+            self._quorum_open = False
+        self.last_step_committed = self._commit
+        if self._commit:
+            return super().optimizer_step(optimizer, **kwargs)  # type: ignore[misc]
+        forget_unscale(getattr(self.precision, "scaler", None), optimizer)  # type: ignore[attr-defined]
+        logger.info("ft_lightning: step not committed; optimizer unchanged (step %d)", self._manager.current_step())
+        return None
+
+    # ---- healing ------------------------------------------------------------------------------
+
+    def _healing_state(self) -> dict[str, Any]:
+        rng = self._rng_at_quorum if self._rng_at_quorum is not None else capture_rng()
+        return {
+            "modules": [to_transport(m.state_dict(), clone=True, where="module") for m in self._ft_modules],
+            "optimizers": [to_transport(o.state_dict(), clone=True, where="optimizer") for o in self._ft_optimizers],
+            "precision": to_transport(self.precision.state_dict(), clone=True, where="precision"),  # type: ignore[attr-defined]
+            "stateful": {name: to_transport(obj.state_dict(), clone=True, where=name)
+                         for name, obj in self._ft_stateful.items()},
+            "rng": to_transport(rng, clone=True, where="rng"),
+        }
+
+    def _load_healed_state(self, state: dict[str, Any]) -> None:
+        state = from_transport(state)
+        if len(state["modules"]) != len(self._ft_modules) or len(state["optimizers"]) != len(self._ft_optimizers):
+            raise ValueError(f"healing state has {len(state['modules'])} modules and {len(state['optimizers'])} "
+                             f"optimizers, this group set up {len(self._ft_modules)} and {len(self._ft_optimizers)}; "
+                             f"every group must set up the same ones in the same order")
+        for module, sd in zip(self._ft_modules, state["modules"]):
+            module.load_state_dict(sd)
+        for optimizer, sd in zip(self._ft_optimizers, state["optimizers"]):
+            optimizer.load_state_dict(sd)
+        if state.get("precision"):
+            self.precision.load_state_dict(state["precision"])  # type: ignore[attr-defined]
+        for name, obj in self._ft_stateful.items():
+            if name in state["stateful"]:
+                obj.load_state_dict(state["stateful"][name])
+        restore_rng(state["rng"])
+
+    def shutdown(self) -> None:
+        """Stop this group's Manager (Fabric has no end-of-run hook: call it when training is done; it
+        also runs at interpreter exit). Idempotent; `manager.current_step()` stays readable."""
+        if self._manager is not None and self._manager_live:
+            self._manager_live = False
+            self._quorum_open = False
+            try:
+                self._manager.shutdown()
+            except Exception:
+                logger.exception("ft_lightning: Manager shutdown failed")
+
+    def teardown(self) -> None:
+        self.shutdown()
+        super().teardown()  # type: ignore[misc]

@@ -1,0 +1,280 @@
+"""The fault-tolerant Trainer strategy, written once for both Lightning namespaces.
+
+`ft_lightning.strategy.FaultTolerantDDPStrategy` (lightning.pytorch) and
+`ft_lightning.pytorch_lightning.FaultTolerantDDPStrategy` are this mixin over each namespace's
+`DDPStrategy`. One Trainer is one replica group: Lightning's world (its default process group,
+barriers, broadcasts, `sync_dist`) is the group's ranks only and never changes size; everything
+that crosses groups goes through the Manager:
+
+- step start (first micro-batch of an accumulation window): `manager.start_quorum()`;
+- backward: DDP's comm hook averages gradients inside the group, then across groups;
+- `optimizer_step`: the closure always runs, then `manager.should_commit()`; the optimizer steps
+  only on commit. A skipped step leaves `global_step`, step-interval LR schedulers, the scheduler
+  progress, the optimizer and the GradScaler as they were;
+- healing: model, optimizers, LR schedulers, precision (GradScaler), loop progress, RNG and
+  callback state are sent to a group that is behind, which continues at the same epoch and batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any, Callable
+
+from ft_lightning import _data, _dirs, _progress
+from ft_lightning._common import (FTSettings, capture_rng, create_manager, forget_unscale, from_transport,
+                                  restore_rng, to_transport)
+from ft_lightning._registration import STRATEGY_NAME
+
+logger = logging.getLogger(__name__)
+
+
+class FaultTolerantTrainerMixin:
+    """Fault tolerance across replica groups for a Lightning `DDPStrategy` (see the module docstring).
+
+    Arguments (each falls back to its environment variable; a set variable wins):
+        lighthouse_addr: FT_LIGHTHOUSE, "host:port" (a comma-separated list fails over).
+        replica_group_id / num_replica_groups: REPLICA_GROUP_ID / NUM_REPLICA_GROUPS; they shard the
+            training data (default 0 of 1).
+        replica_id: the group's name at the lighthouse (default "replica_group_<id>").
+        min_replica_size: FT_MIN_REPLICA_SIZE, fewest groups for a step to commit (default 1).
+        timeout, quorum_timeout, connect_timeout: FT_TIMEOUT_SEC, FT_QUORUM_TIMEOUT_SEC,
+            FT_CONNECT_TIMEOUT_SEC (seconds or timedelta; default 60 s each).
+        world_size_mode: FT_WORLD_SIZE_MODE, "dynamic" or "fixed_with_spares".
+        token: FT_TOKEN, shared secret for every control-plane call and checkpoint fetch.
+        cross_group_backend: FT_BACKEND, "gloo", "nccl" or "auto" (nccl on CUDA, else gloo).
+        use_async_quorum: FT_ASYNC_QUORUM, overlap the quorum with the forward pass (default True).
+        manager_port: port of this group's manager server (FT_MANAGER_PORT; default OS-chosen).
+        per_group_dirs: write logs and checkpoints under `replica_group_<id>` (default True).
+        manager_kwargs: any other `ft_core.Manager` argument.
+        process_group_timeout: timeout of Lightning's own (intra-group) process group.
+        **kwargs: passed to Lightning's `DDPStrategy` (accelerator, cluster_environment, ...).
+    """
+
+    def __init__(self, lighthouse_addr: str | None = None, *, replica_group_id: int | None = None,
+                 num_replica_groups: int | None = None, replica_id: str | None = None,
+                 min_replica_size: int | None = None, timeout: timedelta | float | None = None,
+                 quorum_timeout: timedelta | float | None = None, connect_timeout: timedelta | float | None = None,
+                 world_size_mode: str | None = None, token: str | None = None,
+                 cross_group_backend: str | None = None, use_async_quorum: bool | None = None,
+                 manager_port: int | None = None, per_group_dirs: bool = True,
+                 manager_kwargs: dict[str, Any] | None = None,
+                 process_group_timeout: timedelta | None = None, **kwargs: Any) -> None:
+        if process_group_timeout is not None:
+            kwargs["timeout"] = process_group_timeout
+        super().__init__(**kwargs)  # type: ignore[call-arg]
+        self._ft_settings = FTSettings.resolve(
+            lighthouse_addr=lighthouse_addr, replica_id=replica_id, replica_group_id=replica_group_id,
+            num_replica_groups=num_replica_groups, min_replica_size=min_replica_size, timeout=timeout,
+            quorum_timeout=quorum_timeout, connect_timeout=connect_timeout, world_size_mode=world_size_mode,
+            token=token, cross_group_backend=cross_group_backend, use_async_quorum=use_async_quorum,
+            manager_port=manager_port)
+        self._per_group_dirs = per_group_dirs
+        self._manager_kwargs = dict(manager_kwargs or {})
+        self._manager: Any = None
+        self._manager_live = False
+        self._window_open = False
+        self._window_snapshot: dict[str, Any] | None = None
+        self._commit: bool | None = None
+        self._last_step_applied = True
+        self._warned_callbacks: set[str] = set()
+
+    # ---- public -----------------------------------------------------------------------------
+
+    @property
+    def manager(self) -> Any:
+        """This group's `ft_core.Manager` (created when `trainer.fit` sets up; kept after fit ends so
+        `current_step()` can still be read)."""
+        if self._manager is None:
+            raise RuntimeError("the fault-tolerant Manager exists once trainer.fit() has set up the strategy "
+                               "(it is created in setup_environment, in every process)")
+        return self._manager
+
+    @property
+    def settings(self) -> FTSettings:
+        return self._ft_settings
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if STRATEGY_NAME not in strategy_registry:
+            strategy_registry.register(STRATEGY_NAME, cls,
+                                       description="DDP inside one replica group, fault tolerant across groups "
+                                                   "(ft_lightning)")
+
+    # ---- set-up -----------------------------------------------------------------------------
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        kwargs = super().distributed_sampler_kwargs  # type: ignore[misc]
+        module = self.lightning_module  # type: ignore[attr-defined]
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if trainer is not None and trainer.state.stage == "train":
+            s = self._ft_settings
+            kwargs = _data.training_shard(s.num_replica_groups, s.replica_group_id, self.world_size,  # type: ignore[attr-defined]
+                                          self.global_rank)  # type: ignore[attr-defined]
+        return kwargs
+
+    def setup_environment(self) -> None:
+        super().setup_environment()  # type: ignore[misc]   # Lightning's group-only default process group
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        if self._per_group_dirs:
+            _dirs.apply_group_dirs(trainer, self._ft_settings.group_dir_name())
+        if trainer.state.fn == "fit":
+            self._start_manager()
+
+    def _start_manager(self) -> None:
+        previous = self._manager.state_dict() if self._manager is not None else None
+        several = self.world_size > 1  # type: ignore[attr-defined]
+        env = self.cluster_environment  # type: ignore[attr-defined]
+        self._manager = create_manager(
+            self._ft_settings, group_rank=self.global_rank, group_world_size=self.world_size,  # type: ignore[attr-defined]
+            device=self.root_device, store_addr=env.main_address if several else None,  # type: ignore[attr-defined]
+            store_port=env.main_port if several else None, extra=self._manager_kwargs)
+        self._manager_live = True
+        if previous is not None:  # a second fit() on the same trainer continues the step count
+            self._manager.load_state_dict(previous)
+
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)  # type: ignore[misc]   # DDP wrap (our comm hook), optimizers, precision
+        if self._manager is None or trainer.state.fn != "fit":
+            return
+        self._manager.register_state_dict_fn("lightning", self._load_healed_state, self._healing_state)
+        _progress.gate_step_schedulers(trainer, self._scheduler_may_step)
+
+    def _register_ddp_hooks(self) -> None:
+        # Lightning registers comm hooks on CUDA only; ours must run on every device.
+        if self._manager is None:
+            return super()._register_ddp_hooks()  # type: ignore[misc]
+        from ft_core.ddp import register_comm_hook
+
+        register_comm_hook(self.model, self._manager)  # type: ignore[attr-defined]
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+        if self._manager is None:
+            return
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        if batch_idx % trainer.accumulate_grad_batches == 0 or not self._window_open:
+            self._open_window(trainer)
+
+    def _open_window(self, trainer: Any) -> None:
+        # Taken on this (main) thread: the healing state may be read on the Manager's thread while
+        # the loop counters and RNG move on.
+        self._window_snapshot = {"loops": _progress.snapshot(trainer), "rng": capture_rng()}
+        self._commit = None
+        self._window_open = True
+        self._manager.start_quorum()
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self._manager is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        if not self._window_open and self._commit is None:
+            self._open_window(trainer)
+        result = closure()  # forward + backward: gradients averaged in the group, then across groups
+        if self._commit is None:  # one vote per step, however many optimizers step
+            self._commit = bool(self._manager.should_commit())  # applies a healed state first
+            self._window_open = False
+        self._last_step_applied = self._commit
+        if self._commit:
+            return super().optimizer_step(optimizer, lambda: result, model, **kwargs)  # type: ignore[misc]
+        forget_unscale(getattr(self.precision_plugin, "scaler", None), optimizer)  # type: ignore[attr-defined]
+        _progress.undo_optimizer_step(trainer)
+        logger.info("ft_lightning: step not committed; optimizer, LR and global_step (%d) unchanged",
+                    trainer.global_step)
+        return result
+
+    def _scheduler_may_step(self) -> bool:
+        if self._last_step_applied:
+            return True
+        _progress.undo_scheduler_step(self.lightning_module.trainer)  # type: ignore[attr-defined]
+        return False
+
+    # ---- healing ------------------------------------------------------------------------------
+
+    def _healing_state(self) -> dict[str, Any]:
+        """What a healing group needs, as the transport carries it (tensors copied: we train on)."""
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        snap = self._window_snapshot
+        if snap is None:
+            snap = {"loops": _progress.snapshot(trainer), "rng": capture_rng()}
+        return {
+            "model": to_transport(self.lightning_module.state_dict(), clone=True, where="model"),  # type: ignore[attr-defined]
+            "optimizers": [to_transport(self.optimizer_state(o), clone=True, where="optimizer")  # type: ignore[attr-defined]
+                           for o in self.optimizers],  # type: ignore[attr-defined]
+            "lr_schedulers": [to_transport(c.scheduler.state_dict(), clone=True, where="lr_scheduler")
+                              for c in trainer.lr_scheduler_configs],
+            "precision": to_transport(self.precision_plugin.state_dict(), clone=True, where="precision"),  # type: ignore[attr-defined]
+            "callbacks": self._callback_states(trainer),
+            "loops": to_transport(snap["loops"]),
+            "rng": to_transport(snap["rng"], clone=True, where="rng"),
+        }
+
+    def _callback_states(self, trainer: Any) -> dict[str, Any]:
+        states: dict[str, Any] = {}
+        for callback in trainer.callbacks:
+            if _dirs.is_model_checkpoint(callback):
+                continue  # its paths name this group's directory; the healed group keeps its own
+            key = str(callback.state_key)
+            try:
+                state = callback.state_dict()
+                if state:
+                    states[key] = to_transport(state, clone=True, where=f"callback {key}")
+            except TypeError as exc:
+                if key not in self._warned_callbacks:
+                    self._warned_callbacks.add(key)
+                    logger.warning("ft_lightning: callback state not sent to healing groups: %s", exc)
+        return states
+
+    def _load_healed_state(self, state: dict[str, Any]) -> None:
+        """Runs inside `manager.should_commit()` (or a synchronous quorum) on this thread: load the
+        source's state, then move the loop counters and the training data to where the source is."""
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        state = from_transport(state)
+        self.lightning_module.load_state_dict(state["model"])  # type: ignore[attr-defined]
+        for optimizer, sd in zip(self.optimizers, state["optimizers"]):  # type: ignore[attr-defined]
+            optimizer.load_state_dict(sd)
+        for config, sd in zip(trainer.lr_scheduler_configs, state["lr_schedulers"]):
+            config.scheduler.load_state_dict(sd)
+        if state.get("precision"):
+            self.precision_plugin.load_state_dict(state["precision"])  # type: ignore[attr-defined]
+        callbacks = state.get("callbacks") or {}
+        for callback in trainer.callbacks:
+            if str(callback.state_key) in callbacks:
+                callback.load_state_dict(callbacks[str(callback.state_key)])
+        restore_rng(state["rng"])
+        before = self._window_snapshot["loops"] if self._window_snapshot else _progress.snapshot(trainer)
+        now = _progress.adopt(trainer, state["loops"], before)
+        epoch = now["epoch"]["current"]["processed"]
+        next_batch = now["batch"]["current"]["ready"]
+        _data.reposition(trainer, epoch, next_batch)
+        logger.info("ft_lightning: healed to epoch %d, batch %d, global_step %d", epoch, next_batch - 1,
+                    trainer.global_step)
+
+    # ---- checkpoints and teardown --------------------------------------------------------------
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if self._manager is not None:
+            checkpoint["ft_manager"] = dict(self._manager.state_dict())
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
+        saved = checkpoint.get("ft_manager")
+        if saved is not None and self._manager is not None:
+            self._manager.load_state_dict(saved)
+            logger.info("ft_lightning: resumed the Manager at step %d from %s", self._manager.current_step(),
+                        checkpoint_path)
+        return checkpoint
+
+    def teardown(self) -> None:
+        if self._manager is not None and self._manager_live:
+            self._manager_live = False
+            self._window_open = False
+            try:
+                self._manager.shutdown()
+            except Exception:  # teardown also runs after failures; the cause is already being raised
+                logger.exception("ft_lightning: Manager shutdown failed")
+        super().teardown()  # type: ignore[misc]

@@ -1,0 +1,327 @@
+"""`FaultTolerantAccelerator`: an `accelerate.Accelerator` whose replica group survives the others' failures.
+
+Accelerate's world stays ONE replica group (its processes, its default process group); the
+groups meet only through the Manager: gradients are averaged inside the group, then across the
+live groups; `optimizer.step()` applies only when every group's step commits; a group that
+joins late heals (model, optimizers, schedulers, scaler, RNG, step, registered objects) from a
+live peer inside the commit, then trains on identical to the others.
+
+Step protocol in Accelerate terms: the quorum starts at the first training forward (or at
+`accumulate()`) of each accumulation window; the first gated `optimizer.step()` of the window
+votes (`Manager.should_commit`); on False every optimizer skips, `optimizer_step_was_skipped`
+is True and the schedulers do not step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.data_loader import prepare_data_loader
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DistributedType
+
+from ft_core.errors import ConfigError
+from ft_core.process_group_wrappers import ProcessGroupDelegate
+from ft_lightning.accelerate.plugin import FaultTolerancePlugin
+from ft_lightning.accelerate.state import check_transport_safe, load_rng_state, rng_state
+
+logger = logging.getLogger(__name__)
+
+# Accelerate modes in which the group's model is (or may be) a plain torch DDP: we can take over its gradients.
+SUPPORTED_TYPES = {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU,
+                   DistributedType.MULTI_XPU, DistributedType.MULTI_NPU, DistributedType.MULTI_MLU,
+                   DistributedType.MULTI_MUSA, DistributedType.MULTI_SDAA, DistributedType.MULTI_HPU}
+
+
+class FaultTolerantOptimizer(AcceleratedOptimizer):
+    """An `AcceleratedOptimizer` whose step applies only when the replica groups commit.
+
+    On a step that does not commit it sets the overflow flag Accelerate already uses for skipped
+    mixed-precision steps, so `accelerator.optimizer_step_was_skipped` is True and every prepared
+    scheduler leaves its learning rate alone.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, commit_gate: Callable[[], bool],
+                 device_placement: bool = True, scaler: Any = None) -> None:
+        super().__init__(optimizer, device_placement=device_placement, scaler=scaler)
+        self._commit_gate = commit_gate
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        if self.gradient_state.sync_gradients and not self._commit_gate():
+            self._is_overflow = True
+            return
+        if self.scaler is None:
+            self._is_overflow = False  # the scaler path sets it itself
+        super().step(closure)
+
+
+class CountingProcessGroup(ProcessGroupDelegate):
+    """The cross-group process group behind a delegate that counts allreduces (reported by `ft_stats`)."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.allreduces = 0
+
+    def _collective(self, name: str, args: tuple, opts: Any) -> Any:
+        if name.startswith("allreduce"):
+            self.allreduces += 1
+        return super()._collective(name, args, opts)
+
+
+@dataclass
+class _Window:
+    """One accumulation window: its quorum has started; its commit vote, once taken."""
+
+    quorum_started: bool = False
+    committed: bool | None = None
+
+
+class FaultTolerantAccelerator(Accelerator):
+    """`Accelerator(**accelerator_kwargs)` plus fault tolerance across replica groups.
+
+    `ft` holds the settings; without it they come from FT_* environment variables (what
+    `ftl accelerate launch` exports). `ft_manager` is the `ft_core.Manager` of this process.
+    """
+
+    def __init__(self, ft: FaultTolerancePlugin | None = None, **accelerator_kwargs: Any) -> None:
+        self.ft = ft if ft is not None else FaultTolerancePlugin()
+        if not isinstance(self.ft, FaultTolerancePlugin):
+            raise ConfigError(f"ft must be a FaultTolerancePlugin, got {type(self.ft).__name__}")
+        super().__init__(**accelerator_kwargs)
+        if self.distributed_type not in SUPPORTED_TYPES:
+            raise ConfigError(f"FaultTolerantAccelerator supports data parallelism with DDP inside a replica group "
+                              f"(single process, multi-CPU, multi-GPU); {self.distributed_type} is not supported: "
+                              f"launch without FSDP/DeepSpeed/Megatron/XLA")
+        self._ft_window = _Window()
+        self._ft_counts = {"model": 0, "optimizer": 0, "scheduler": 0, "commits": 0, "skipped": 0}
+        self._ft_hooked: list[torch.nn.Module] = []
+        logger.info("replica group %s, group rank %d/%d: %s", self.ft.replica_id, self.process_index,
+                    self.num_processes, self.ft.describe())
+        self._ft_rng_at_window_start: dict[str, Any] = rng_state()
+        self.ft_manager = self._create_manager()
+        # The source sends its state from the quorum thread in the middle of its step: the RNG states
+        # it sends are those captured at the start of that step's window (never read mid-forward).
+        self.ft_manager.register_state_dict_fn("rng", load_rng_state, lambda: self._ft_rng_at_window_start)
+        if self.scaler is not None:
+            self.ft_manager.register_state_dict_fn("scaler", self.scaler.load_state_dict, self.scaler.state_dict)
+
+    # --- construction -------------------------------------------------------------------------------------
+
+    def _cross_group_backend(self) -> str:
+        backend = self.ft.backend
+        if backend == "auto":
+            return "nccl" if self.device.type == "cuda" else "gloo"
+        if backend == "nccl" and self.device.type != "cuda":
+            raise ConfigError(f"cross-group backend nccl needs a CUDA device, this process runs on {self.device}; "
+                              f"set FT_BACKEND=gloo (or auto)")
+        return backend
+
+    def _create_process_group(self) -> Any:
+        """The cross-group process group the Manager reconfigures on each quorum change (counted)."""
+        from ft_core import process_group
+
+        timeout = self.ft.timedelta("timeout")
+        if self._cross_group_backend() == "nccl":
+            pg = process_group.ProcessGroupNCCL(timeout=timeout)
+        else:
+            pg = process_group.ProcessGroupGloo(timeout=timeout)
+        return CountingProcessGroup(pg)
+
+    def _group_store(self) -> tuple[str | None, int | None]:
+        """The group's TCPStore (torchrun's, where torch.distributed found its peers) when it has several ranks."""
+        if self.num_processes <= 1:
+            return None, None
+        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not addr or not port:
+            raise ConfigError(f"replica group of {self.num_processes} processes but MASTER_ADDR/MASTER_PORT are "
+                              f"unset: start the group with `ftl accelerate launch` / `accelerate launch` / torchrun")
+        return addr, int(port)
+
+    def _create_manager(self) -> Any:
+        from ft_core.manager import Manager, WorldSizeMode
+
+        store_addr, store_port = self._group_store()
+        mode = {"dynamic": WorldSizeMode.DYNAMIC,
+                "fixed_with_spares": WorldSizeMode.FIXED_WITH_SPARES}[self.ft.world_size_mode]
+        self._ft_pg = self._create_process_group()
+        return Manager(
+            self._ft_pg,
+            min_replica_size=self.ft.min_replica_size,
+            use_async_quorum=self.ft.async_quorum,
+            timeout=self.ft.timedelta("timeout"),
+            quorum_timeout=self.ft.timedelta("quorum_timeout"),
+            connect_timeout=self.ft.timedelta("connect_timeout"),
+            rank=self.process_index,
+            world_size=self.num_processes,
+            world_size_mode=mode,
+            store_addr=store_addr,
+            store_port=store_port,
+            lighthouse_addr=self.ft.lighthouse,
+            replica_id=str(self.ft.replica_id),
+            token=self.ft.token,
+        )
+
+    # --- the step protocol --------------------------------------------------------------------------------
+
+    def ft_start_step(self) -> None:
+        """Start this accumulation window's quorum (idempotent inside a window; called for you)."""
+        window = self._ft_window
+        if window.quorum_started and window.committed is None:
+            return
+        self._ft_rng_at_window_start = rng_state()
+        self.ft_manager.start_quorum()
+        self._ft_window = _Window(quorum_started=True)
+
+    def ft_should_commit(self) -> bool:
+        """The window's commit vote, taken once (at the first gated optimizer step) and then reused."""
+        if self._ft_window.committed is None:
+            if not self._ft_window.quorum_started:
+                self.ft_start_step()
+            self._ft_window.committed = bool(self.ft_manager.should_commit())
+            self._ft_counts["commits" if self._ft_window.committed else "skipped"] += 1
+        return self._ft_window.committed
+
+    @property
+    def ft_step(self) -> int:
+        """Committed optimizer steps of the job (the same on every live group)."""
+        return int(self.ft_manager.current_step())
+
+    @property
+    def ft_stats(self) -> dict[str, int]:
+        """This process's counters: committed step, steps committed and skipped here, cross-group allreduces."""
+        return {"step": self.ft_step, "commits": self._ft_counts["commits"], "skipped": self._ft_counts["skipped"],
+                "cross_group_allreduces": int(self._ft_pg.allreduces)}
+
+    def _on_training_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if module.training and torch.is_grad_enabled():
+            self.ft_start_step()
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
+        with super().accumulate(*models):
+            self.ft_start_step()
+            yield
+
+    @contextlib.contextmanager
+    def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
+        # Accelerate applies DDP's no_sync only when use_distributed (num_processes > 1); with one
+        # process per group our DDP still talks to the other groups, so it must be silenced too.
+        if not self.use_distributed and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            with model.no_sync():
+                yield
+        else:
+            with super().no_sync(model):
+                yield
+
+    # --- prepare ------------------------------------------------------------------------------------------
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False) -> torch.nn.Module:
+        already = getattr(model, "_is_accelerate_prepared", False)
+        prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        if evaluation_mode or already or not any(p.requires_grad for p in prepared.parameters()):
+            return prepared
+        from ft_core import ddp
+
+        inner = getattr(prepared, "_orig_mod", prepared)  # torch.compile wraps last
+        if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
+            ddp.register_comm_hook(inner, self.ft_manager)
+        else:  # one process, DistributedType.NO: Accelerate did not wrap; the cross-group DDP is ours
+            prepared = ddp.DistributedDataParallel(self.ft_manager, prepared)
+            prepared._is_accelerate_prepared = True
+        prepared.register_forward_pre_hook(self._on_training_forward)
+        self._ft_hooked.append(prepared)
+        unwrapped = self.unwrap_model(prepared)
+        index = self._ft_counts["model"]
+        self._ft_counts["model"] += 1
+        self.ft_manager.register_state_dict_fn(f"model_{index}", unwrapped.load_state_dict, unwrapped.state_dict)
+        return prepared
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
+                          ) -> torch.optim.Optimizer:
+        if getattr(optimizer, "_is_accelerate_prepared", False) or isinstance(optimizer, AcceleratedOptimizer):
+            return super().prepare_optimizer(optimizer, device_placement=device_placement)
+        if device_placement is None:
+            device_placement = self.device_placement
+        # As Accelerate does: MS-AMP's optimizer handles loss scaling itself (FP8BackendType is a str enum).
+        scaler = None if getattr(self, "fp8_backend", None) == "MSAMP" else self.scaler
+        prepared = FaultTolerantOptimizer(optimizer, self.ft_should_commit, device_placement=device_placement,
+                                          scaler=scaler)
+        self._optimizers.append(prepared)
+        index = self._ft_counts["optimizer"]
+        self._ft_counts["optimizer"] += 1
+        self.ft_manager.register_state_dict_fn(f"optimizer_{index}", prepared.load_state_dict, prepared.state_dict)
+        return prepared
+
+    def prepare_scheduler(self, scheduler: Any) -> Any:
+        already = getattr(scheduler, "_is_accelerate_prepared", False)
+        prepared = super().prepare_scheduler(scheduler)
+        if not already:
+            index = self._ft_counts["scheduler"]
+            self._ft_counts["scheduler"] += 1
+            self.ft_manager.register_state_dict_fn(f"scheduler_{index}", prepared.load_state_dict,
+                                                   prepared.state_dict)
+        return prepared
+
+    def prepare_data_loader(self, data_loader: torch.utils.data.DataLoader, device_placement: bool | None = None,
+                            slice_fn_for_dispatch: Any = None) -> Any:
+        """Shard across every process of every replica group: process g*W + r of G*W."""
+        if self.ft.num_replica_groups == 1 or getattr(data_loader, "_is_accelerate_prepared", False):
+            return super().prepare_data_loader(data_loader, device_placement=device_placement,
+                                               slice_fn_for_dispatch=slice_fn_for_dispatch)
+        from ft_core.data import global_shard
+
+        if self.dispatch_batches:
+            raise ConfigError("dispatch_batches=True (one process loads and sends batches) cannot shard across "
+                              "replica groups; use DataLoaderConfiguration(dispatch_batches=False)")
+        if device_placement is None:
+            device_placement = self.device_placement
+        shard, shards = global_shard(self.ft.replica_id, self.ft.num_replica_groups, self.process_index,
+                                     self.num_processes)
+        prepared = prepare_data_loader(
+            data_loader, self.device, num_processes=shards, process_index=shard,
+            split_batches=self.split_batches, put_on_device=device_placement, rng_types=self.rng_types.copy(),
+            dispatch_batches=False, even_batches=self.even_batches, slice_fn_for_dispatch=slice_fn_for_dispatch,
+            use_seedable_sampler=self.use_seedable_sampler, data_seed=self.dataloader_config.data_seed,
+            non_blocking=self.non_blocking, use_stateful_dataloader=self.use_stateful_dataloader,
+            torch_device_mesh=self._prepare_device_mesh())
+        self._dataloaders.append(prepared)
+        return prepared
+
+    # --- healing of other state ---------------------------------------------------------------------------
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Accelerate's registration, plus: the objects are sent to (and loaded by) a healing group."""
+        for obj in objects:
+            if hasattr(obj, "state_dict"):
+                check_transport_safe(obj.state_dict(), f"{type(obj).__name__}.state_dict()")
+        first = len(self._custom_objects)
+        super().register_for_checkpointing(*objects)
+        for offset, obj in enumerate(objects):
+            self.ft_manager.register_state_dict_fn(f"custom_{first + offset}", obj.load_state_dict, obj.state_dict)
+
+    # --- shutdown -----------------------------------------------------------------------------------------
+
+    def ft_shutdown(self) -> None:
+        """Stop this process's Manager (its servers and threads). Idempotent."""
+        manager = getattr(self, "ft_manager", None)
+        if manager is not None:
+            manager.shutdown()
+            self.ft_manager = None
+
+    def end_training(self) -> None:
+        super().end_training()
+        self.ft_shutdown()
+
+    def __enter__(self) -> "FaultTolerantAccelerator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.ft_shutdown()

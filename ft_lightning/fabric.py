@@ -1,0 +1,28 @@
+"""`FaultTolerantFabricDDPStrategy` for Lightning Fabric (`lightning.fabric`).
+
+    import ft_lightning  # registers "fault_tolerant_ddp" for Fabric too
+    fabric = Fabric(strategy="fault_tolerant_ddp", accelerator="cpu", devices=1)
+    fabric.launch()
+    model, optimizer = fabric.setup(model, optimizer)
+    manager = fabric.strategy.manager
+    while manager.current_step() < total_steps:
+        loss = model(batch_for(manager.current_step()))   # first training forward starts the quorum
+        fabric.backward(loss)
+        optimizer.step()                                 # applied only when the step commits
+        optimizer.zero_grad()
+    fabric.strategy.shutdown()
+
+See `ft_lightning._fabric_strategy` and docs/lightning.md.
+"""
+
+from __future__ import annotations
+
+from lightning.fabric.strategies import DDPStrategy
+
+from ft_lightning._fabric_strategy import FaultTolerantFabricMixin
+
+__all__ = ["FaultTolerantFabricDDPStrategy"]
+
+
+class FaultTolerantFabricDDPStrategy(FaultTolerantFabricMixin, DDPStrategy):
+    __doc__ = FaultTolerantFabricMixin.__doc__

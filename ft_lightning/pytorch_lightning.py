@@ -1,0 +1,18 @@
+"""`FaultTolerantDDPStrategy` for the standalone `pytorch_lightning` package.
+
+`pytorch_lightning` has its own strategy registry and base classes (a `lightning.pytorch` strategy
+is rejected by a `pytorch_lightning.Trainer`), so this is the same strategy over its `DDPStrategy`.
+`import ft_lightning` registers "fault_tolerant_ddp" here too once `pytorch_lightning` is imported.
+"""
+
+from __future__ import annotations
+
+from pytorch_lightning.strategies import DDPStrategy
+
+from ft_lightning._trainer_strategy import FaultTolerantTrainerMixin
+
+__all__ = ["FaultTolerantDDPStrategy"]
+
+
+class FaultTolerantDDPStrategy(FaultTolerantTrainerMixin, DDPStrategy):
+    __doc__ = FaultTolerantTrainerMixin.__doc__

@@ -1,0 +1,333 @@
+"""`ftl launch` and the Launcher: real processes, real signals, nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import child_env
+from ft_core.launch import (FaultInjector, GroupState, Launcher, choose_victim, describe_exit, group_env,
+                            next_kill_delay, parse_args)
+
+# A replica group stand-in: prints its identity, spawns a grandchild (to check a kill takes the
+# whole process group), then sleeps `argv[1]` seconds and exits `argv[2]` (default 0).
+SLEEPER = textwrap.dedent("""
+    import os, subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    print("up", os.environ["REPLICA_GROUP_ID"], os.environ["RANK"], os.environ["FT_RESTART_COUNT"],
+          os.environ["MASTER_PORT"], child.pid, flush=True)
+    time.sleep(float(sys.argv[1]))
+    child.kill()
+    child.wait()
+    sys.exit(int(sys.argv[2]) if len(sys.argv) > 2 else 0)
+""")
+
+
+@pytest.fixture
+def sleeper(tmp_path: Path) -> str:
+    path = tmp_path / "sleeper.py"
+    path.write_text(SLEEPER)
+    return str(path)
+
+
+# ----------------------------------------------------------------------------- pure rules
+
+@pytest.mark.parametrize("rank, nproc, token, lighthouse, expect", [
+    (0, 1, None, "127.0.0.1:9", {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "FT_LIGHTHOUSE": "127.0.0.1:9"}),
+    (1, 2, "s3cret", "127.0.0.1:9", {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "FT_TOKEN": "s3cret"}),
+    (0, 1, None, None, {"REPLICA_GROUP_ID": "2", "NUM_REPLICA_GROUPS": "3", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "4242", "FT_RESTART_COUNT": "5", "GROUP_RANK": "0"}),
+])
+def test_group_env_sets_torchrun_and_replica_group_variables(rank, nproc, token, lighthouse, expect):
+    env = group_env({"PATH": "/bin"}, group=2, num_groups=3, rank=rank, nproc_per_group=nproc, master_port=4242,
+                    lighthouse=lighthouse, token=token, restart_count=5)
+    for key, value in expect.items():
+        assert env[key] == value
+    assert env["PATH"] == "/bin" and env["OMP_NUM_THREADS"] == "1" and env["RES_OPTIONS"]
+    if token is None:
+        assert "FT_TOKEN" not in env
+    if lighthouse is None:
+        assert "FT_LIGHTHOUSE" not in env
+
+
+def test_group_env_keeps_thread_and_resolver_settings_the_user_chose():
+    env = group_env({"OMP_NUM_THREADS": "4", "RES_OPTIONS": "attempts:2"}, group=0, num_groups=1, rank=0,
+                    nproc_per_group=1, master_port=1, lighthouse=None, token=None, restart_count=0)
+    assert env["OMP_NUM_THREADS"] == "4" and env["RES_OPTIONS"] == "attempts:2"
+
+
+@pytest.mark.parametrize("eligible, running, min_survivors, allowed", [
+    ([0, 1, 2], [0, 1, 2], 1, {0, 1, 2}),
+    ([1], [0, 1, 2], 1, {1}),
+    ([0], [0], 1, set()),  # the last running group is never killed
+    ([0, 1], [0, 1], 2, set()),  # killing either would leave fewer than 2 running
+    ([3], [0, 1], 1, set()),  # eligible but not running
+    ([], [0, 1, 2], 1, set()),
+])
+def test_choose_victim_keeps_survivors(eligible, running, min_survivors, allowed):
+    picks = {choose_victim(random.Random(seed), eligible, running, min_survivors) for seed in range(20)}
+    assert picks == (allowed or {None})
+
+
+def test_kill_schedule_is_seeded_and_near_the_interval():
+    a = [next_kill_delay(random.Random(7), 10.0) for _ in range(3)]
+    b = [next_kill_delay(random.Random(7), 10.0) for _ in range(3)]
+    assert a == b
+    rng = random.Random(1)
+    delays = [next_kill_delay(rng, 10.0, jitter=0.15) for _ in range(200)]
+    assert all(8.5 <= d <= 11.5 for d in delays) and len(set(delays)) > 100
+
+
+@pytest.mark.parametrize("code, text", [(0, "exit 0"), (3, "exit 3"), (-9, "killed by SIGKILL"),
+                                        (-15, "killed by SIGTERM"), (None, "running")])
+def test_describe_exit(code, text):
+    assert describe_exit(code) == text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--groups", "2"], "no script given"),
+    (["--groups", "0", "--", "x.py"], "--groups must be at least 1"),
+    (["--groups", "2", "--kill-every", "0", "--", "-m", "x"], "--kill-every must be > 0"),
+    (["--groups", "2", "--", "/no/such/train.py"], "not found"),
+])
+def test_bad_arguments_are_refused_with_the_fix(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_script_and_its_arguments_follow_the_double_dash(sleeper):
+    args = parse_args(["--groups", "3", "--nproc-per-group", "2", "--no-restart", "--", sleeper, "--lr", "0.1"])
+    assert (args.groups, args.nproc_per_group, args.no_restart) == (3, 2, True)
+    assert args.command == [sleeper, "--lr", "0.1"]
+
+
+# ----------------------------------------------------------------------------- Launcher, in-process
+
+def _wait(predicate, timeout: float, launcher: Launcher | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if launcher is not None:
+            launcher.poll()
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _grandchildren(log: Path) -> list[int]:
+    return [int(line.split()[5]) for line in log.read_text().splitlines() if line.startswith("up ")]
+
+
+@pytest.mark.timeout(30)
+def test_a_killed_group_loses_every_process_and_restarts_as_a_new_incarnation(sleeper, tmp_path):
+    with Launcher([sys.executable, sleeper, "60"], 2, nproc_per_group=2, env=child_env(), restart_delay=0.1,
+                  log_dir=str(tmp_path / "logs")) as launcher:
+        launcher.start()
+        log = Path(launcher.log_path(1, 1))
+        _wait(lambda: len(_grandchildren(log)) == 1, 15, launcher)
+        pids = launcher.status(1).pids
+        grandchild = _grandchildren(log)[0]
+        assert launcher.kill_group(1, "test kill")
+        assert not any(_alive(p) for p in (*pids, grandchild))
+        _wait(lambda: launcher.status(1).state == GroupState.RUNNING and launcher.status(1).incarnation == 1,
+              10, launcher)
+        _wait(lambda: len(_grandchildren(log)) == 2, 15, launcher)
+        restarted = log.read_text().splitlines()[-1].split()
+        assert restarted[1:4] == ["1", "1", "1"]  # group 1, rank 1, restart count 1
+        assert launcher.status(0).incarnation == 0 and launcher.status(0).state == GroupState.RUNNING
+        kinds = [(e.kind, e.group) for e in launcher.events]
+        assert ("killed", 1) in kinds and ("restarting", 1) in kinds
+        s = launcher.status(1)
+        assert (s.kills, s.deaths) == (1, 1)
+        live = [p for g in (0, 1) for p in launcher.status(g).pids]
+    assert not any(_alive(p) for p in live)  # shutdown on exit
+
+
+@pytest.mark.timeout(30)
+def test_a_crash_is_detected_restarted_and_success_needs_every_group_done(sleeper):
+    with Launcher([sys.executable, sleeper, "0.5", "3"], 1, env=child_env(), restart=False) as launcher:
+        launcher.start()
+        assert launcher.run_until_done() is True
+        assert launcher.lost_groups() == [0] and not launcher.succeeded
+        assert "exit 3" in launcher.status(0).detail
+    with Launcher([sys.executable, sleeper, "0.2"], 2, env=child_env()) as launcher:
+        launcher.start()
+        assert launcher.run_until_done() is True
+        assert launcher.succeeded and [e.kind for e in launcher.events].count("done") == 2
+
+
+@pytest.mark.timeout(30)
+def test_fault_injector_kills_seeded_up_to_max_kills_and_spares_the_last_group(sleeper):
+    with Launcher([sys.executable, sleeper, "60"], 3, env=child_env(), restart_delay=0.1) as launcher:
+        launcher.start()
+        injector = FaultInjector(0.3, max_kills=3, seed=11)
+        deadline = time.monotonic() + 15
+        while len(injector.kills) < 3 and time.monotonic() < deadline:
+            launcher.poll()
+            injector.tick(launcher)
+            time.sleep(0.02)
+        assert [k.index for k in injector.kills] == [1, 2, 3]
+        assert sum(launcher.status(g).kills for g in range(3)) == 3
+        time.sleep(0.5)
+        launcher.poll()
+        assert injector.tick(launcher) is None and injector.exhausted
+    with Launcher([sys.executable, sleeper, "60"], 1, env=child_env()) as launcher:
+        launcher.start()
+        lone = FaultInjector(0.01, seed=1)
+        lone.arm(time.monotonic() - 1)
+        assert lone.tick(launcher) is None and launcher.status(0).kills == 0
+
+
+# ----------------------------------------------------------------------------- `ftl launch` as a process
+
+def _proc_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, start time) for every process we can see."""
+    table = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if fields[0] != "Z":
+            table[int(name)] = (int(fields[1]), fields[19])
+    return table
+
+
+def _descendants(root: int) -> set[tuple[int, str]]:
+    """(pid, start time) of every live descendant of `root`: stable against pid reuse."""
+    table = _proc_table()
+    found, frontier = set(), [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, start) in table.items():
+            if ppid == parent and (pid, start) not in found:
+                found.add((pid, start))
+                frontier.append(pid)
+    return found
+
+
+def _still_running(procs: set[tuple[int, str]]) -> set[tuple[int, str]]:
+    table = _proc_table()
+    return {(pid, start) for pid, start in procs if pid in table and table[pid][1] == start}
+
+
+def _ftl(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ft_core.cli", *args]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("moment", ["at once", "as the first rank starts", "all groups up", "mid-run with restarts"])
+def test_sigint_at_any_moment_leaves_no_process_behind(moment, sleeper, processes):
+    kill_every = ["--kill-every", "0.4", "--restart-delay", "0"] if moment == "mid-run with restarts" else []
+    launch = processes.spawn(_ftl("launch", "--groups", "2", "--nproc-per-group", "2", "--stop-grace", "2",
+                                  *kill_every, "--", sleeper, "60"),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    seen: set[tuple[int, str]] = set()
+    # 2 groups x 2 ranks, each rank with a grandchild: 8 descendants once everything is up
+    want = {"at once": 0, "as the first rank starts": 1, "all groups up": 8, "mid-run with restarts": 8}[moment]
+    deadline = time.monotonic() + 20
+    while want and time.monotonic() < deadline:
+        seen |= _descendants(launch.pid)
+        if len(seen) >= want:
+            break
+        time.sleep(0.01)
+    if moment == "mid-run with restarts":  # let a few kills and restarts happen first
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            seen |= _descendants(launch.pid)
+            time.sleep(0.02)
+    assert len(seen) >= want, f"only {len(seen)} descendants appeared"
+    os.killpg(launch.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
+    end = time.monotonic() + 20
+    while launch.poll() is None and time.monotonic() < end:
+        seen |= _descendants(launch.pid)
+        time.sleep(0.02)
+    assert launch.returncode in (130, -signal.SIGINT), f"exit code {launch.returncode}"
+    assert _still_running(seen) == set()
+
+
+@pytest.mark.timeout(30)
+def test_sigterm_ends_every_group_and_the_exit_code_says_so(sleeper, processes):
+    launch = processes.spawn(_ftl("launch", "--groups", "2", "--", sleeper, "60"),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: set[tuple[int, str]] = set()
+    deadline = time.monotonic() + 20
+    while len(seen) < 4 and time.monotonic() < deadline:
+        seen |= _descendants(launch.pid)
+        time.sleep(0.02)
+    launch.send_signal(signal.SIGTERM)
+    out, _ = launch.communicate(timeout=20)
+    assert launch.returncode == 128 + signal.SIGTERM
+    assert _still_running(seen) == set()
+    assert "status page: http://127.0.0.1:" in out and "stopped" in out
+
+
+# A real fault-tolerant job without Lightning: one Manager per group, a tiny model, `argv[1]` steps.
+TRAINER = textwrap.dedent("""
+    import hashlib, sys, time
+    from datetime import timedelta
+    import torch
+    from ft_core import Manager
+    from ft_core.process_group import ProcessGroupGloo
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=10)), load_state_dict=model.load_state_dict,
+                      state_dict=model.state_dict, timeout=timedelta(seconds=10),
+                      connect_timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=20))
+    x = torch.randn(16, 8)
+    while manager.current_step() < int(sys.argv[1]):
+        manager.start_quorum()
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        for p in model.parameters():
+            manager.allreduce(p.grad).wait()
+        if manager.should_commit():
+            opt.step()
+        time.sleep(float(sys.argv[2]))
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    print("finished step", manager.current_step(), "weights", digest[:16], flush=True)
+    manager.shutdown()
+""")
+
+
+@pytest.mark.timeout(60)
+def test_no_restart_a_killed_group_is_lost_while_the_survivors_finish_training(tmp_path, processes):
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    launch = processes.spawn(_ftl("launch", "--groups", "3", "--no-restart", "--kill-every", "4", "--max-kills", "1",
+                                  "--seed", "5", "--", str(script), "80", "0.05"),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, _ = launch.communicate(timeout=50)
+    assert launch.returncode == 1, out[-3000:]
+    killed = [line for line in out.splitlines() if "killed: fault injection 1/1" in line]
+    assert len(killed) == 1, out[-3000:]
+    victim = killed[0].split("group ")[1].split()[0]
+    finished = [line for line in out.splitlines() if "finished step 80 weights" in line]
+    assert len(finished) == 2 and f"[g{victim}]" not in "".join(finished), out[-3000:]
+    assert len({line.split("weights ")[1] for line in finished}) == 1  # the survivors agree bit for bit
+    assert f"group(s) {victim} lost" in out

@@ -1,0 +1,406 @@
+"""The lighthouse and its client: real servers on loopback, real child processes, real failures."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+
+import pytest
+from conftest import child_env
+
+from ft_core import status as status_cli
+from ft_core.errors import AuthError, FTTimeoutError, RPCError
+from ft_core.lighthouse import LighthouseServer
+from ft_core.lighthouse_client import LighthouseClient
+from ft_core.types import Quorum, QuorumMember
+
+SECOND = timedelta(seconds=1)
+
+# A replica group in its own process: hosts a ManagerService whose Kill exits the process (as the
+# real manager does), holds a heartbeat stream, joins one quorum, then idles until killed.
+CHILD = r"""
+import os, sys, threading, time
+from concurrent import futures
+from datetime import timedelta
+import grpc
+from ft_core.lighthouse_client import LighthouseClient
+from ft_core.proto import ft_pb2, ft_pb2_grpc
+from ft_core.types import QuorumMember
+
+lighthouse, replica_id, step = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+class Manager(ft_pb2_grpc.ManagerServiceServicer):
+    def Kill(self, request, context):
+        print("KILLED", request.msg, flush=True)
+        threading.Timer(0.05, os._exit, (3,)).start()
+        return ft_pb2.KillResponse()
+
+server = grpc.server(futures.ThreadPoolExecutor(4, thread_name_prefix="child-manager"))
+ft_pb2_grpc.add_ManagerServiceServicer_to_server(Manager(), server)
+port = server.add_insecure_port("127.0.0.1:0")
+server.start()
+client = LighthouseClient(lighthouse)
+stream = client.start_heartbeat_stream(replica_id, interval=timedelta(milliseconds=50))
+assert stream.wait_connected(20), stream.last_error
+print("STREAMING", flush=True)
+member = QuorumMember(replica_id, address=f"127.0.0.1:{port}", store_address="127.0.0.1:1", step=step)
+quorum = client.quorum(member, timedelta(seconds=30))
+print("JOINED", quorum.quorum_id, ",".join(quorum.replica_ids), flush=True)
+time.sleep(300)
+"""
+
+
+def get(url: str, token: str | None = None, method: str = "GET") -> tuple[int, bytes, str]:
+    request = urllib.request.Request(url, method=method)
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read(), response.headers.get("Content-Type", "")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read(), exc.headers.get("Content-Type", "")
+
+
+def status_of(server: LighthouseServer, token: str | None = None) -> dict:
+    code, body, _ = get(server.http_address() + "/status", token)
+    assert code == 200, body
+    return json.loads(body)
+
+
+def member_of(status: dict, replica_id: str) -> dict | None:
+    return next((m for m in status["members"] if m["replica_id"] == replica_id), None)
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def metric(server: LighthouseServer, name: str) -> float:
+    _, body, _ = get(server.http_address() + "/metrics")
+    match = re.search(rf"^{re.escape(name)} (\S+)$", body.decode(), re.MULTILINE)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def free_dead_port() -> int:
+    """A loopback port nothing listens on (bound by the OS, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def join_all(client: LighthouseClient, members: list[QuorumMember], timeout: float = 10.0) -> list[Quorum]:
+    """Call Quorum for every member from its own thread; return their answers in order."""
+    results: list[object] = [None] * len(members)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = client.quorum(members[i], timedelta(seconds=timeout))
+        except Exception as exc:  # surfaced by the assertion below
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"test-join-{i}") for i in range(len(members))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 5)
+    for r in results:
+        assert isinstance(r, Quorum), r
+    return results  # type: ignore[return-value]
+
+
+def spawn_child(processes, server: LighthouseServer, replica_id: str, step: int = 0) -> subprocess.Popen:
+    proc = processes.python("-c", CHILD, server.address(), replica_id, str(step), stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line.startswith("STREAMING"), f"child {replica_id} failed to start: {line!r}"
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def no_env_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FT_TOKEN", raising=False)
+
+
+@pytest.fixture
+def lighthouse() -> Iterator[LighthouseServer]:
+    with LighthouseServer(min_replicas=1, join_timeout_ms=60_000, quorum_tick_ms=50, heartbeat_timeout_ms=500) as s:
+        yield s
+
+
+@pytest.fixture
+def client(lighthouse: LighthouseServer) -> Iterator[LighthouseClient]:
+    with LighthouseClient(lighthouse.address(), connect_timeout=5 * SECOND) as c:
+        yield c
+
+
+def test_long_poll_quorum_from_threads_keeps_id_until_membership_changes() -> None:
+    with LighthouseServer(min_replicas=3, quorum_tick_ms=50, heartbeat_timeout_ms=2_000) as server, \
+            LighthouseClient(server.address()) as c:
+        first = join_all(c, [QuorumMember(r, step=1) for r in ("c", "a", "b")])
+        assert {q.quorum_id for q in first} == {1}
+        assert first[0].replica_ids == ["a", "b", "c"]
+        steady = join_all(c, [QuorumMember(r, step=2) for r in ("a", "b", "c")])
+        assert {q.quorum_id for q in steady} == {1}, "same members: same quorum id"
+        assert [p.step for p in steady[0].participants] == [2, 2, 2]
+        # A joiner already waiting comes in with the fast quorum of the previous members.
+        joiner: list[Quorum] = []
+        thread = threading.Thread(target=lambda: joiner.extend(join_all(c, [QuorumMember("d", step=0)])),
+                                  name="test-joiner")
+        thread.start()
+        wait_for(lambda: (member_of(status_of(server), "d") or {}).get("waiting"), what="d to wait")
+        grown = join_all(c, [QuorumMember(r, step=3) for r in ("a", "b", "c")])
+        thread.join(15)
+        assert {q.quorum_id for q in grown + joiner} == {2} and joiner[0].replica_ids == ["a", "b", "c", "d"]
+
+
+def test_quorum_call_ends_at_its_deadline_and_server_keeps_serving() -> None:
+    with LighthouseServer(min_replicas=2, quorum_tick_ms=50, heartbeat_timeout_ms=500) as server, \
+            LighthouseClient(server.address()) as c:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError) as info:
+            c.quorum(QuorumMember("lonely"), timedelta(seconds=0.3))
+        assert isinstance(info.value, FTTimeoutError) and "Quorum" in str(info.value)
+        assert time.monotonic() - start < 2.0
+        wait_for(lambda: not member_of(status_of(server), "lonely")["waiting"], what="waiter to leave")
+        assert {q.quorum_id for q in join_all(c, [QuorumMember("x"), QuorumMember("y")])} == {1}
+
+
+def test_token_is_required_on_grpc_and_http(processes) -> None:
+    token = "s3cret-token"
+    with LighthouseServer(token=token, quorum_tick_ms=50, heartbeat_timeout_ms=500) as server:
+        for bad in (None, "wrong"):
+            with LighthouseClient(server.address(), token=bad) as c:
+                with pytest.raises(AuthError) as info:
+                    c.quorum(QuorumMember("a"), 2 * SECOND)
+                assert info.value.code == "UNAUTHENTICATED" and "token" in str(info.value)
+                with pytest.raises(AuthError):
+                    c.heartbeat("a", 2 * SECOND)
+                stream = c.start_heartbeat_stream("intruder")
+                assert not stream.wait_connected(0.5)
+                stream.stop()
+                assert isinstance(stream.last_error, AuthError)
+        for path in ("/status", "/", "/metrics"):
+            assert get(server.http_address() + path)[0] == 401
+            assert get(server.http_address() + path, token="wrong")[0] == 401
+            assert get(server.http_address() + path, token=token)[0] == 200
+            assert get(f"{server.http_address()}{path}?token={token}")[0] == 200
+        assert get(server.http_address() + "/replica/a/kill", method="POST")[0] == 401
+        assert member_of(status_of(server, token), "intruder") is None, "rejected streams register nothing"
+        with LighthouseClient(server.address(), token=token) as c:
+            assert c.quorum(QuorumMember("a"), 5 * SECOND).replica_ids == ["a"]
+        assert status_cli.main(["--lighthouse", server.http_address(), "--token", token, "--json"]) == 0
+        assert status_cli.main(["--lighthouse", server.http_address()]) == 1
+
+
+@pytest.mark.parametrize("member,problem", [
+    (QuorumMember(""), "empty replica_id"),
+    (QuorumMember("a", world_size=0), "world_size must be >= 1"),
+    (QuorumMember("a", data="x" * (64 * 1024 + 1)), "65536-byte limit"),
+], ids=["empty-replica-id", "world-size-0", "oversized-data"])
+def test_malformed_quorum_is_invalid_argument_and_server_keeps_serving(
+        client: LighthouseClient, member: QuorumMember, problem: str) -> None:
+    with pytest.raises(RPCError) as info:
+        client.quorum(member, 2 * SECOND)
+    assert info.value.code == "INVALID_ARGUMENT" and problem in str(info.value)
+    with pytest.raises(RPCError) as info:
+        client.heartbeat("", 2 * SECOND)
+    assert info.value.code == "INVALID_ARGUMENT"
+    assert client.quorum(QuorumMember("ok"), 5 * SECOND).replica_ids == ["ok"]
+
+
+def test_status_json_metrics_and_page(lighthouse: LighthouseServer, client: LighthouseClient) -> None:
+    stream = client.start_heartbeat_stream("fast")
+    assert stream.wait_connected(5)
+    slow = QuorumMember("slow", address="127.0.0.1:7003", store_address="127.0.0.1:7004", step=3, world_size=2)
+    waiting = threading.Thread(target=join_all, args=(client, [slow]), name="test-slow")
+    waiting.start()  # slow waits first: with only the streaming member alive, "fast" alone would be a quorum
+    wait_for(lambda: (member_of(status_of(lighthouse), "slow") or {}).get("waiting"), what="slow to wait")
+    fast = QuorumMember("fast", address="127.0.0.1:7001", store_address="127.0.0.1:7002", step=5, world_size=2)
+    quorum = join_all(client, [fast])[0]
+    waiting.join(10)
+    assert quorum.replica_ids == ["fast", "slow"]
+    status = status_of(lighthouse)
+    assert status["quorum_id"] == quorum.quorum_id == 1
+    assert status["max_step"] == 5 and status["min_replicas"] == 1
+    assert isinstance(status["reason"], str) and status["reason"]
+    participant = status["quorum"]["participants"][0]
+    assert participant == {**participant, "replica_id": "fast", "step": 5, "address": "127.0.0.1:7001",
+                           "store_address": "127.0.0.1:7002", "world_size": 2}
+    assert participant["heartbeat_age_s"] >= 0
+    fast, slow = member_of(status, "fast"), member_of(status, "slow")
+    assert fast["stream"] and fast["healthy"] and not fast["waiting"] and not fast["recovering"]
+    assert slow["recovering"] and slow["step"] == 3, "a member behind max_step is recovering"
+
+    code, body, kind = get(lighthouse.http_address() + "/metrics")
+    text = body.decode()
+    assert code == 200 and kind.startswith("text/plain")
+    for name in ("ftl_lighthouse_quorum_latency_seconds_bucket", "ftl_lighthouse_quorum_latency_seconds_count",
+                 "ftl_lighthouse_quorums_issued_total", "ftl_lighthouse_members",
+                 "ftl_lighthouse_participants", "ftl_lighthouse_heartbeats_expired_total",
+                 "ftl_lighthouse_deaths_detected_total"):
+        assert name in text, name
+    assert metric(lighthouse, "ftl_lighthouse_quorums_issued_total") == 1
+    assert metric(lighthouse, "ftl_lighthouse_participants") == 2
+
+    code, page, kind = get(lighthouse.http_address() + "/")
+    html = page.decode()
+    assert code == 200 and kind.startswith("text/html")
+    assert "<table" in html and "fetch(" in html and "/kill" in html
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html), "the page loads nothing external"
+
+    status_cli.main(["--lighthouse", lighthouse.http_address()])
+    assert get(lighthouse.http_address() + "/nope")[0] == 404
+
+
+@pytest.mark.timeout(60)
+def test_sigkilled_member_is_excluded_in_under_a_second(processes) -> None:
+    # heartbeat_timeout and join_timeout are long: only the broken stream can explain a fast exclusion.
+    with LighthouseServer(min_replicas=1, join_timeout_ms=60_000, quorum_tick_ms=100,
+                          heartbeat_timeout_ms=10_000) as server, LighthouseClient(server.address()) as client:
+        assert client.start_heartbeat_stream("a").wait_connected(5)
+        child = spawn_child(processes, server, "b")
+        first = client.quorum(QuorumMember("a"), 20 * SECOND)
+        assert first.replica_ids == ["a", "b"]
+        assert child.stdout.readline().split()[:2] == ["JOINED", str(first.quorum_id)]
+
+        start = time.monotonic()
+        child.kill()  # SIGKILL: no goodbye, the kernel drops its connections
+        after = client.quorum(QuorumMember("a"), 5 * SECOND)
+        elapsed = time.monotonic() - start
+        assert after.replica_ids == ["a"] and after.quorum_id == first.quorum_id + 1
+        assert elapsed < 1.0, f"death took {elapsed:.3f}s to detect"
+        assert metric(server, "ftl_lighthouse_deaths_detected_total") == 1
+        assert member_of(status_of(server), "b") is None
+
+
+@pytest.mark.timeout(60)
+def test_silent_member_is_excluded_after_heartbeat_timeout_and_comes_back(processes) -> None:
+    timeout_ms, tick_ms = 500, 50
+    with LighthouseServer(min_replicas=1, join_timeout_ms=60_000, quorum_tick_ms=tick_ms,
+                          heartbeat_timeout_ms=timeout_ms) as server, LighthouseClient(server.address()) as client:
+        assert client.start_heartbeat_stream("a").wait_connected(5)
+        child = spawn_child(processes, server, "b")
+        assert client.quorum(QuorumMember("a"), 20 * SECOND).replica_ids == ["a", "b"]
+
+        child.send_signal(signal.SIGSTOP)  # hung: connection open, nothing sent
+        start = time.monotonic()
+        after = client.quorum(QuorumMember("a"), 10 * SECOND)
+        elapsed = time.monotonic() - start
+        assert after.replica_ids == ["a"]
+        assert elapsed <= (timeout_ms + tick_ms) / 1000 + 1.0, f"took {elapsed:.3f}s"
+        silent = member_of(status_of(server), "b")
+        assert silent["stream"] and not silent["healthy"], "the stream is open but the member is silent"
+        assert metric(server, "ftl_lighthouse_heartbeats_expired_total") == 1
+        assert metric(server, "ftl_lighthouse_deaths_detected_total") == 0
+
+        child.send_signal(signal.SIGCONT)
+        wait_for(lambda: member_of(status_of(server), "b")["healthy"], 5, "the member to heartbeat again")
+
+
+@pytest.mark.timeout(60)
+def test_dashboard_kill_calls_the_members_manager(processes) -> None:
+    with LighthouseServer(quorum_tick_ms=50, heartbeat_timeout_ms=10_000) as server, \
+            LighthouseClient(server.address()) as client:
+        assert client.start_heartbeat_stream("a").wait_connected(5)
+        child = spawn_child(processes, server, "b")
+        assert client.quorum(QuorumMember("a"), 20 * SECOND).replica_ids == ["a", "b"]
+        assert child.stdout.readline().startswith("JOINED")
+        code, body, _ = get(server.http_address() + "/replica/b/kill", method="POST")
+        assert code == 200, body
+        assert child.stdout.readline().startswith("KILLED killed from the lighthouse dashboard")
+        assert child.wait(timeout=10) == 3
+        assert client.quorum(QuorumMember("a"), 5 * SECOND).replica_ids == ["a"]
+        assert get(server.http_address() + "/replica/nobody/kill", method="POST")[0] == 404
+
+
+@pytest.mark.timeout(60)
+def test_restart_on_same_port_keeps_quorum_ids_increasing() -> None:
+    first = LighthouseServer(quorum_tick_ms=50, heartbeat_timeout_ms=500)
+    port = int(first.address().rsplit(":", 1)[1])
+    with LighthouseClient(first.address()) as client:
+        stream = client.start_heartbeat_stream("a")
+        seen = 0
+        try:
+            for _ in range(3):  # a commit failure forces a new id each round
+                seen = client.quorum(QuorumMember("a", commit_failures=1, last_quorum_id=seen), 5 * SECOND).quorum_id
+            assert seen == 3
+        finally:
+            first.shutdown()
+        with LighthouseServer(bind=f"127.0.0.1:{port}", quorum_tick_ms=50, heartbeat_timeout_ms=500) as second:
+            again = client.quorum(QuorumMember("a", last_quorum_id=seen), 10 * SECOND)
+            assert again.quorum_id > seen
+            wait_for(lambda: (member_of(status_of(second), "a") or {}).get("stream"), 10, "the stream to reconnect")
+            assert stream.connected
+
+
+def test_client_fails_over_when_the_first_address_is_dead(lighthouse: LighthouseServer) -> None:
+    dead = f"127.0.0.1:{free_dead_port()}"
+    with LighthouseClient(f"{dead},{lighthouse.address()}", connect_timeout=5 * SECOND) as client:
+        start = time.monotonic()
+        assert client.quorum(QuorumMember("a"), 10 * SECOND).replica_ids == ["a"]
+        assert time.monotonic() - start < 3.0, "the dead address must not eat the timeout"
+        client.heartbeat("a", 2 * SECOND)
+    with LighthouseClient([dead, lighthouse.address()]) as client:
+        stream = client.start_heartbeat_stream("s")
+        assert stream.wait_connected(5)
+        assert member_of(status_of(lighthouse), "s")["stream"]
+
+
+def test_lighthouse_down_fails_within_the_timeout() -> None:
+    with LighthouseClient(f"127.0.0.1:{free_dead_port()}", connect_timeout=10 * SECOND) as client:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="check that a lighthouse is running"):
+            client.quorum(QuorumMember("a"), timedelta(seconds=1))
+        assert time.monotonic() - start < 2.5
+    with LighthouseClient(f"127.0.0.1:{free_dead_port()}", connect_timeout=0.5 * SECOND) as client:
+        with pytest.raises(RPCError, match="no lighthouse reachable") as info:
+            client.quorum(QuorumMember("a"), timedelta(seconds=10))
+        assert info.value.code == "UNAVAILABLE"
+
+
+@pytest.mark.timeout(60)
+def test_cli_lighthouse_serves_and_exits_cleanly_on_sigterm(processes) -> None:
+    proc = processes.python("-m", "ft_core.cli", "lighthouse", "--bind", "127.0.0.1:0", "--http-bind",
+                            "127.0.0.1:0", "--heartbeat-timeout-ms", "500", stderr=subprocess.PIPE, text=True,
+                            env=child_env(COLUMNS="250"))
+    address = http = None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (address and http):
+        line = proc.stderr.readline()
+        assert line, "ftl lighthouse exited before printing its addresses"
+        address = address or (re.search(r"gRPC (\S+:\d+)", line) or [None, None])[1]
+        http = http or (re.search(r"status (http://[0-9.]+:\d+)", line) or [None, None])[1]
+    with LighthouseClient(address) as client:
+        assert client.quorum(QuorumMember("cli"), 5 * SECOND).quorum_id == 1
+    assert status_cli.main(["--lighthouse", http, "--json"]) == 0
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 0
+
+
+def test_status_cli_address_forms(lighthouse: LighthouseServer, capsys: pytest.CaptureFixture) -> None:
+    assert status_cli.status_urls("http://h:1/status") == ["http://h:1"]
+    assert status_cli.status_urls("h:29510") == ["http://h:29510", "http://h:29511"]
+    assert status_cli.main(["--lighthouse", lighthouse.http_address().removeprefix("http://"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["min_replicas"] == 1
+    assert status_cli.main(["--lighthouse", f"127.0.0.1:{free_dead_port()}", "--timeout", "1"]) == 1
+    assert "no lighthouse status server answered" in capsys.readouterr().err
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

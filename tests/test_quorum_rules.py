@@ -1,0 +1,208 @@
+"""Table tests of the lighthouse quorum rules (DESIGN.md section 5) on the pure decision function."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import pytest
+
+from ft_core.quorum import (MAX_DATA_BYTES, Joined, LighthouseState, QuorumConfig, decide, member_problem,
+                            next_quorum_id, prune_heartbeats, replica_id_problem)
+from ft_core.types import Quorum, QuorumMember
+
+NOW = 1000.0
+
+
+def m(rid: str, **kw: object) -> QuorumMember:
+    return QuorumMember(replica_id=rid, address=f"{rid}:1", store_address=f"{rid}:2", **kw)
+
+
+def quorum(qid: int, *rids: str) -> Quorum:
+    return Quorum(qid, tuple(m(r) for r in sorted(rids)))
+
+
+@dataclass
+class Case:
+    name: str
+    waiting: list[tuple[QuorumMember, float]]  # (member, seconds since it joined)
+    alive: dict[str, float]  # replica_id -> seconds since its last heartbeat
+    expect: list[str] | None  # issued participants, None = keep waiting
+    reason: str  # substring of the reason
+    prev: Quorum | None = None
+    quorum_id: int = 0
+    expect_id: int | None = None
+    config: QuorumConfig = field(default_factory=lambda: QuorumConfig(min_replicas=1, join_timeout_ms=60_000,
+                                                                      heartbeat_timeout_ms=5_000))
+
+
+def joined(*rids: str, ago: float = 0.5, **kw: object) -> list[tuple[QuorumMember, float]]:
+    return [(m(r, **kw), ago) for r in rids]
+
+
+def alive(*rids: str, ago: float = 0.1) -> dict[str, float]:
+    return {r: ago for r in rids}
+
+
+CASES = [
+    Case("nobody waiting", [], alive("a"), None, "No replica is waiting"),
+    Case("waiting but not heartbeating", joined("a"), {"a": 6.0}, None, "No waiting replica is healthy"),
+    # join timeout
+    Case("join timeout: wait for a straggler", joined("a", "b", ago=1.0), alive("a", "b", "c"), None,
+         "waiting for 1 healthy but not participating stragglers"),
+    Case("join timeout: expired, issue without the straggler", joined("a", "b", ago=61.0), alive("a", "b", "c"),
+         ["a", "b"], "Valid quorum found", expect_id=1),
+    Case("join timeout 0 issues at once", joined("a", "b"), alive("a", "b", "c"), ["a", "b"], "Valid quorum found",
+         config=QuorumConfig(1, 0, 5_000)),
+    Case("join timeout counts from the earliest join", [(m("a"), 61.0), (m("b"), 0.1)], alive("a", "b", "c"),
+         ["a", "b"], "Valid quorum found"),
+    Case("all healthy joined: no join wait", joined("a", "b"), alive("a", "b"), ["a", "b"], "Valid quorum found"),
+    # heartbeat expiry
+    Case("expired heartbeat is not a candidate", joined("a", "b"), {"a": 0.1, "b": 6.0}, ["a"],
+         "Valid quorum found"),
+    Case("heartbeat exactly at the timeout is expired", joined("a", "b"), {"a": 0.1, "b": 5.0}, ["a"],
+         "[1/2 participants healthy]"),
+    Case("expired member of the previous quorum: no fast path, new id", joined("a"), {"a": 0.1, "b": 6.0}, ["a"],
+         "Valid quorum found", prev=quorum(4, "a", "b"), quorum_id=4, expect_id=5),
+    Case("dead member still heartbeating blocks via split-brain guard", joined("a"), alive("a", "b"), None,
+         "split-brain", prev=quorum(4, "a", "b"), quorum_id=4),
+    # fast quorum
+    Case("fast quorum: all previous members back", joined("a", "b"), alive("a", "b"), ["a", "b"], "Fast quorum",
+         prev=quorum(3, "a", "b"), quorum_id=3, expect_id=3),
+    Case("fast quorum skips min_replicas and stragglers", joined("a", "b"), alive("a", "b", "c"), ["a", "b"],
+         "Fast quorum", prev=quorum(3, "a", "b"), quorum_id=3, expect_id=3, config=QuorumConfig(3, 60_000, 5_000)),
+    Case("fast quorum takes joiners in", joined("a", "b", "d"), alive("a", "b", "d"), ["a", "b", "d"],
+         "Fast quorum", prev=quorum(3, "a", "b"), quorum_id=3, expect_id=4),
+    Case("no fast quorum while a previous member has not rejoined", joined("a", "b"), alive("a", "b", "c"), None,
+         "stragglers", prev=quorum(3, "a", "b", "c"), quorum_id=3),
+    # split-brain guard
+    Case("split-brain: 1 of 2 healthy", joined("a"), alive("a", "b"), None, "more than half of 2"),
+    Case("split-brain: 2 of 4 healthy", joined("a", "b"), alive("a", "b", "c", "d"), None, "more than half of 4"),
+    Case("split-brain: 3 of 4 is a majority", joined("a", "b", "c", ago=61.0), alive("a", "b", "c", "d"),
+         ["a", "b", "c"], "Valid quorum found"),
+    # min_replicas
+    Case("min_replicas not met", joined("a", "b"), alive("a", "b"), None, "need min_replicas 3",
+         config=QuorumConfig(3, 60_000, 5_000)),
+    Case("min_replicas met", joined("a", "b", "c"), alive("a", "b", "c"), ["a", "b", "c"], "Valid quorum found",
+         config=QuorumConfig(3, 60_000, 5_000)),
+    Case("min_replicas counts only healthy joiners", joined("a", "b", "c"), {"a": 0.1, "b": 0.1, "c": 9.0}, None,
+         "need min_replicas 3", config=QuorumConfig(3, 60_000, 5_000)),
+    # shrink_only
+    Case("shrink_only drops a joiner, keeps survivors", [(m("a", shrink_only=True), 0.5), (m("b"), 0.5),
+                                                         (m("d"), 0.5)],
+         alive("a", "b", "d"), ["a", "b"], "shrink_only=True", prev=quorum(2, "a", "b", "c"), quorum_id=2,
+         expect_id=3),
+    Case("shrink_only on the fast path keeps the joiner out", [(m("a", shrink_only=True), 0.5), (m("b"), 0.5),
+                                                               (m("d"), 0.5)],
+         alive("a", "b", "d"), ["a", "b"], "Fast quorum", prev=quorum(2, "a", "b"), quorum_id=2, expect_id=2),
+    Case("shrink_only cannot go below min_replicas", [(m("a", shrink_only=True), 0.5), (m("b"), 0.5), (m("d"), 0.5)],
+         alive("a", "b", "d"), None, "held back by shrink_only", prev=quorum(2, "a", "b", "c"), quorum_id=2,
+         config=QuorumConfig(3, 60_000, 5_000)),
+    Case("shrink_only without a previous quorum keeps everyone", [(m("a", shrink_only=True), 0.5), (m("b"), 0.5)],
+         alive("a", "b"), ["a", "b"], "Valid quorum found"),
+    # quorum_id
+    Case("first quorum gets id 1", joined("a"), alive("a"), ["a"], "Valid", expect_id=1),
+    Case("commit_failures force a new id", [(m("a", commit_failures=1), 0.5), (m("b"), 0.5)], alive("a", "b"),
+         ["a", "b"], "Fast quorum", prev=quorum(7, "a", "b"), quorum_id=7, expect_id=8),
+    Case("step and address changes keep the id", [(m("a", step=9), 0.5), (replace(m("b"), address="b:99"), 0.5)],
+         alive("a", "b"), ["a", "b"], "Fast quorum", prev=quorum(7, "a", "b"), quorum_id=7, expect_id=7),
+    Case("restarted lighthouse continues above the ids members saw", [(m("a", last_quorum_id=41), 0.5),
+                                                                      (m("b", last_quorum_id=40), 0.5)],
+         alive("a", "b"), ["a", "b"], "Valid", expect_id=42),
+    Case("a member that saw a higher id (other lighthouse) forces a bump", [(m("a", last_quorum_id=20), 0.5),
+                                                                           (m("b", last_quorum_id=5), 0.5)],
+         alive("a", "b"), ["a", "b"], "Fast quorum", prev=quorum(5, "a", "b"), quorum_id=5, expect_id=21),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_decide(case: Case) -> None:
+    state = LighthouseState(
+        waiting={member.replica_id: Joined(member, NOW - ago) for member, ago in case.waiting},
+        heartbeats={rid: NOW - ago for rid, ago in case.alive.items()},
+        prev_quorum=case.prev, quorum_id=case.quorum_id)
+    decision = decide(state, NOW, case.config)
+    got = None if decision.participants is None else [p.replica_id for p in decision.participants]
+    assert got == case.expect, decision.reason
+    assert case.reason in decision.reason
+    assert decision.reason.endswith("]"), "every reason carries the [healthy][heartbeating][shrink_only] tag"
+    if case.expect is not None:
+        assert got == sorted(got), "participants are sorted by replica_id"
+        assert decision.fast == ("Fast quorum" in decision.reason)
+    if case.expect_id is not None:
+        assert decision.quorum_id == case.expect_id
+    if case.expect is None:
+        assert decision.quorum_id == case.quorum_id, "waiting never changes the id"
+
+
+ID_CASES = [
+    # (name, prev quorum, current id, participants, expected id)
+    ("no previous quorum", None, 0, [m("a")], 1),
+    ("same members", quorum(3, "a", "b"), 3, [m("a"), m("b")], 3),
+    ("member left", quorum(3, "a", "b"), 3, [m("a")], 4),
+    ("member joined", quorum(3, "a"), 3, [m("a"), m("b")], 4),
+    ("member replaced (restarted group has a new id)", quorum(3, "a", "b"), 3, [m("a"), m("b2")], 4),
+    ("order of arrival does not matter", quorum(3, "a", "b"), 3, [m("b"), m("a")], 3),
+    ("commit failure", quorum(3, "a", "b"), 3, [m("a"), m("b", commit_failures=2)], 4),
+    ("address and step only", quorum(3, "a"), 3, [replace(m("a"), address="x:1", step=50)], 3),
+    ("restart: members saw 9", None, 0, [m("a", last_quorum_id=9)], 10),
+    ("restart: own counter is higher", None, 12, [m("a", last_quorum_id=9)], 13),
+    ("member saw exactly our id: no bump", quorum(9, "a"), 9, [m("a", last_quorum_id=9)], 9),
+]
+
+
+@pytest.mark.parametrize("name,prev,qid,members,expected", ID_CASES, ids=[c[0] for c in ID_CASES])
+def test_next_quorum_id(name: str, prev: Quorum | None, qid: int, members: list[QuorumMember],
+                        expected: int) -> None:
+    assert next_quorum_id(prev, qid, members) == expected
+
+
+def test_restart_never_reissues_a_seen_id() -> None:
+    """A fresh lighthouse (id 0, no previous quorum) issues above every id the members report."""
+    for seen in range(0, 50, 7):
+        state = LighthouseState({"a": Joined(m("a", last_quorum_id=seen), NOW)}, {"a": NOW})
+        assert decide(state, NOW, QuorumConfig()).quorum_id > seen
+
+
+def test_shrink_joiner_gets_in_on_the_next_round() -> None:
+    """A joiner held back by shrink_only keeps waiting, then enters through the next fast quorum."""
+    cfg = QuorumConfig(min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=5_000)
+    beats = {r: NOW for r in ("a", "b", "d")}
+    waiting = {"a": Joined(m("a", shrink_only=True), NOW), "b": Joined(m("b"), NOW), "d": Joined(m("d"), NOW)}
+    first = decide(LighthouseState(waiting, beats, quorum(2, "a", "b", "c"), 2), NOW, cfg)
+    assert [p.replica_id for p in first.participants] == ["a", "b"] and first.quorum_id == 3
+    issued = Quorum(first.quorum_id, first.participants)
+    still_waiting = {"d": waiting["d"]}
+    alone = decide(LighthouseState(still_waiting, beats, issued, 3), NOW + 0.01, cfg)
+    assert alone.participants is None and "split-brain" in alone.reason, "the joiner alone is a minority"
+    still_waiting.update({"a": Joined(m("a"), NOW + 0.02), "b": Joined(m("b"), NOW + 0.02)})
+    second = decide(LighthouseState(still_waiting, beats, issued, 3), NOW + 0.02, cfg)
+    assert [p.replica_id for p in second.participants] == ["a", "b", "d"]
+    assert second.fast and second.quorum_id == 4
+
+
+PROBLEMS = [
+    ("fine", m("a"), None),
+    ("missing", None, "missing requester"),
+    ("empty replica_id", QuorumMember(replica_id=""), "empty replica_id"),
+    ("world_size 0", m("a", world_size=0), "world_size must be >= 1"),
+    ("negative world_size", m("a", world_size=-2), "world_size must be >= 1"),
+    ("negative step", m("a", step=-1), "step must be >= 0"),
+    ("negative commit_failures", m("a", commit_failures=-1), "commit_failures"),
+    ("negative last_quorum_id", m("a", last_quorum_id=-1), "last_quorum_id"),
+    ("data at the limit", m("a", data="x" * MAX_DATA_BYTES), None),
+    ("oversized data", m("a", data="x" * (MAX_DATA_BYTES + 1)), "over the 65536-byte limit"),
+    ("huge replica_id", QuorumMember(replica_id="r" * 2000), "replica_id is longer"),
+]
+
+
+@pytest.mark.parametrize("name,member,problem", PROBLEMS, ids=[p[0] for p in PROBLEMS])
+def test_member_problem(name: str, member: QuorumMember | None, problem: str | None) -> None:
+    got = member_problem(member)
+    assert (got is None) if problem is None else (got is not None and problem in got)
+
+
+def test_replica_id_problem_and_prune() -> None:
+    assert replica_id_problem("a") is None
+    assert "empty" in replica_id_problem("")
+    beats = {"fresh": NOW - 1, "expired": NOW - 6, "long_gone": NOW - 51}
+    assert prune_heartbeats(beats, NOW, keep_s=50) == ["long_gone"]

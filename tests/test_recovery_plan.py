@@ -1,0 +1,153 @@
+"""The recovery plan (DESIGN.md section 6) as tables: who heals from whom, for each group rank."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ft_core.errors import QuorumError
+from ft_core.recovery import QuorumResult, compute_recovery_plan
+from ft_core.types import Quorum, QuorumMember
+
+
+def make_quorum(steps: list[int], quorum_id: int = 7, commit_failures: list[int] | None = None,
+                order: list[int] | None = None) -> Quorum:
+    """Replicas replica_0.. at the given steps; manager address m<i>, store s<i>."""
+    failures = commit_failures or [0] * len(steps)
+    members = [QuorumMember(replica_id=f"replica_{i}", address=f"m{i}", store_address=f"s{i}", step=step,
+                            commit_failures=failures[i]) for i, step in enumerate(steps)]
+    if order is not None:
+        members = [members[i] for i in order]
+    return Quorum(quorum_id=quorum_id, participants=tuple(members))
+
+
+def plans(steps: list[int], group_rank: int, init_sync: bool = True) -> list[QuorumResult]:
+    quorum = make_quorum(steps)
+    return [compute_recovery_plan(f"replica_{i}", group_rank, quorum, init_sync) for i in range(len(steps))]
+
+
+# (steps, group_rank, init_sync, {healer: source}, {source: [destinations]})
+HEAL_VECTORS = [
+    pytest.param([0, 1, 0, 1, 0], 0, True, {0: 1, 2: 3, 4: 1}, {1: [0, 4], 3: [2]}, id="design-vector-rank0"),
+    pytest.param([0, 1, 0, 1, 0], 1, True, {0: 3, 2: 1, 4: 3}, {1: [2], 3: [0, 4]}, id="design-vector-rank1"),
+    pytest.param([0, 1, 0, 1, 0], 1, False, {0: 3, 2: 1, 4: 3}, {1: [2], 3: [0, 4]}, id="no-init-sync-same-when-max-step-positive"),
+    pytest.param([0, 0], 0, True, {1: 0}, {0: [1]}, id="two-at-step-0-init-sync-rank0"),
+    pytest.param([0, 0], 1, True, {1: 0}, {0: [1]}, id="two-at-step-0-init-sync-rank1-same-source"),
+    pytest.param([0, 0], 0, False, {}, {}, id="two-at-step-0-no-init-sync-nobody-heals"),
+    pytest.param([0, 0], 1, False, {}, {}, id="two-at-step-0-no-init-sync-rank1"),
+    pytest.param([0, 0, 0, 0], 3, True, {1: 0, 2: 0, 3: 0}, {0: [1, 2, 3]}, id="init-sync-one-source-for-all-rank3"),
+    pytest.param([0, 0, 0, 0], 6, True, {1: 0, 2: 0, 3: 0}, {0: [1, 2, 3]}, id="init-sync-one-source-for-all-rank6"),
+    pytest.param([5, 5, 5], 2, True, {}, {}, id="all-up-to-date"),
+    pytest.param([3], 0, True, {}, {}, id="single-group"),
+    pytest.param([0], 0, True, {}, {}, id="single-group-at-step-0"),
+    pytest.param([4, 2, 4], 0, True, {1: 0}, {0: [1]}, id="one-behind-rank0"),
+    pytest.param([4, 2, 4], 1, True, {1: 2}, {2: [1]}, id="one-behind-rank1"),
+    pytest.param([4, 2, 4], 2, True, {1: 0}, {0: [1]}, id="one-behind-rank2-wraps"),
+    pytest.param([9, 1, 2, 3], 0, True, {1: 0, 2: 0, 3: 0}, {0: [1, 2, 3]}, id="one-ahead-serves-everyone"),
+    pytest.param([1, 0, 0], 0, True, {1: 0, 2: 0}, {0: [1, 2]}, id="init-sync-irrelevant-when-max-step-positive"),
+]
+
+
+@pytest.mark.parametrize(("steps", "group_rank", "init_sync", "heals_from", "sends_to"), HEAL_VECTORS)
+def test_heal_sources_and_destinations(steps: list[int], group_rank: int, init_sync: bool,
+                                       heals_from: dict[int, int], sends_to: dict[int, list[int]]) -> None:
+    results = plans(steps, group_rank, init_sync)
+    for i, result in enumerate(results):
+        if i in heals_from:
+            src = heals_from[i]
+            assert result.heal is True
+            assert result.recover_src_replica_rank == src
+            assert result.recover_src_manager_address == f"m{src}"
+        else:
+            assert result.heal is False
+            assert result.recover_src_replica_rank is None
+            assert result.recover_src_manager_address == ""
+        assert result.recover_dst_replica_ranks == sends_to.get(i, [])
+
+
+# (steps, group_rank, expected per replica: (replica_rank, max_replica_rank), max_step, max_world_size, store)
+PLACE_VECTORS = [
+    pytest.param([0, 1, 0, 1, 0], 0, [(0, None), (1, 0), (2, None), (3, 1), (4, None)], 1, 2, "s1", id="mixed-rank0"),
+    pytest.param([0, 1, 0, 1, 0], 1, [(0, None), (1, 0), (2, None), (3, 1), (4, None)], 1, 2, "s3", id="mixed-rank1"),
+    pytest.param([0, 1, 0, 1, 0], 2, [(0, None), (1, 0), (2, None), (3, 1), (4, None)], 1, 2, "s1", id="mixed-rank2"),
+    pytest.param([0, 0], 1, [(0, 0), (1, 1)], 0, 2, "s1", id="step-0-store-spread-by-rank"),
+    pytest.param([7, 7, 7], 4, [(0, 0), (1, 1), (2, 2)], 7, 3, "s1", id="all-equal"),
+    pytest.param([2, 8], 0, [(0, None), (1, 0)], 8, 1, "s1", id="one-at-max"),
+]
+
+
+@pytest.mark.parametrize(("steps", "group_rank", "places", "max_step", "max_world_size", "store"), PLACE_VECTORS)
+def test_ranks_max_step_and_store(steps: list[int], group_rank: int, places: list[tuple[int, int | None]],
+                                  max_step: int, max_world_size: int, store: str) -> None:
+    results = plans(steps, group_rank)
+    for result, (replica_rank, max_replica_rank) in zip(results, places):
+        assert result.quorum_id == 7
+        assert result.replica_rank == replica_rank
+        assert result.replica_world_size == len(steps)
+        assert result.max_replica_rank == max_replica_rank
+        assert result.max_step == max_step
+        assert result.max_world_size == max_world_size
+        assert result.store_address == store  # every group of one group rank rendezvous at the same store
+        assert result.replica_ids == [f"replica_{i}" for i in range(len(steps))]
+
+
+def test_participants_are_sorted_by_replica_id_whatever_the_input_order() -> None:
+    quorum = make_quorum([0, 1, 0, 1, 0], order=[4, 2, 0, 3, 1])
+    result = compute_recovery_plan("replica_1", 0, quorum, True)
+    assert result.replica_ids == [f"replica_{i}" for i in range(5)]
+    assert result.replica_rank == 1
+    assert result.recover_dst_replica_ranks == [0, 4]
+
+
+def test_commit_failures_is_the_maximum_over_participants() -> None:
+    quorum = make_quorum([3, 3, 3], commit_failures=[0, 4, 1])
+    assert compute_recovery_plan("replica_0", 0, quorum, True).commit_failures == 4
+
+
+def test_replica_missing_from_quorum_is_a_quorum_error_naming_it() -> None:
+    with pytest.raises(QuorumError, match="replica_9"):
+        compute_recovery_plan("replica_9", 0, make_quorum([1, 1]), True)
+
+
+def test_empty_quorum_is_a_quorum_error() -> None:
+    with pytest.raises(QuorumError):
+        compute_recovery_plan("replica_0", 0, Quorum(quorum_id=1), True)
+
+
+def test_negative_group_rank_is_rejected() -> None:
+    with pytest.raises(ValueError, match="group_rank"):
+        compute_recovery_plan("replica_0", -1, make_quorum([1]), True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps=st.lists(st.integers(min_value=0, max_value=3), min_size=1, max_size=8),
+       group_rank=st.integers(min_value=0, max_value=9), init_sync=st.booleans())
+def test_plans_are_consistent_across_groups(steps: list[int], group_rank: int, init_sync: bool) -> None:
+    """Every healer has one up-to-date source, and that source lists it as a destination (and nobody else does)."""
+    results = plans(steps, group_rank, init_sync)
+    max_step = max(steps)
+    force = init_sync and max_step == 0
+    for i, result in enumerate(results):
+        should_heal = steps[i] != max_step or (force and i != 0)
+        assert result.heal == should_heal
+        if should_heal:
+            src = result.recover_src_replica_rank
+            assert src is not None and steps[src] == max_step
+            assert i in results[src].recover_dst_replica_ranks
+            if force:
+                assert src == 0
+        senders = [j for j, other in enumerate(results) if i in other.recover_dst_replica_ranks]
+        assert senders == ([result.recover_src_replica_rank] if should_heal else [])
+        assert not (result.heal and result.recover_dst_replica_ranks)  # a healer never serves
+
+
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(min_value=2, max_value=8), world=st.integers(min_value=1, max_value=8))
+def test_init_sync_at_step_0_every_rank_of_a_group_heals_from_the_same_group(n: int, world: int) -> None:
+    """The reference's bug: ranks of one group picked different sources at step 0 and diverged."""
+    quorum = make_quorum([0] * n)
+    for i in range(1, n):
+        sources = {compute_recovery_plan(f"replica_{i}", r, quorum, True).recover_src_replica_rank
+                   for r in range(world)}
+        assert sources == {0}
