@@ -41,6 +41,20 @@ def make_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(2, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
 
 
+class Progress:
+    """Samples the job has trained on. Registered for checkpointing, so a healed group inherits it
+    (any object with plain-data state_dict()/load_state_dict() can be)."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"samples": self.samples}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.samples = int(state["samples"])
+
+
 class HealLog(logging.Handler):
     """Prints this process's quorum changes and heals (the Manager's structured events)."""
 
@@ -92,6 +106,9 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps * accelerator.num_processes)
     loader = torch.utils.data.DataLoader(make_dataset(seed=args.seed), batch_size=args.batch_size, shuffle=True)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    progress = Progress()
+    accelerator.register_for_checkpointing(progress)
+    samples_per_group_step = args.batch_size * args.grad_accum * accelerator.num_processes
 
     group = accelerator.ft.replica_id
     windows = micro_batches = 0
@@ -112,6 +129,8 @@ def main() -> None:
             step = accelerator.ft_step
             if accelerator.optimizer_step_was_skipped:
                 accelerator.print(f"group {group}: step not committed (still at step {step})", flush=True)
+            else:
+                progress.samples += samples_per_group_step * accelerator.ft_manager.num_participants()
             elif step % args.log_every == 0 or step == args.steps:
                 accelerator.print(f"group {group}: step {step} loss {loss.item():.4f} "
                                   f"lr {scheduler.get_last_lr()[0]:.5f}", flush=True)
@@ -132,7 +151,7 @@ def main() -> None:
                     "scheduler": scheduler.state_dict()}, name + ".pt")
         with open(name + ".json", "w") as f:
             json.dump({**accelerator.ft_stats, "windows": windows, "micro_batches": micro_batches,
-                       "heals": heal_log.heals, "accuracy": accuracy,
+                       "heals": heal_log.heals, "accuracy": accuracy, "samples": progress.samples,
                        "settings": {k: v for k, v in accelerator.ft.settings().items() if k != "token"},
                        "sources": accelerator.ft.sources}, f)
     accelerator.end_training()

@@ -76,7 +76,7 @@ def state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> st
 
     def feed(obj: object) -> None:
         if isinstance(obj, torch.Tensor):
-            h.update(obj.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         elif isinstance(obj, dict):
             for key in sorted(obj, key=str):
                 h.update(str(key).encode())

@@ -27,7 +27,7 @@ import grpc
 
 from ft_core.env import resolve_str
 from ft_core.errors import ConfigError
-from ft_core.proto import ft_pb2, ft_pb2_grpc
+from ft_core.proto import ft_pb2
 from ft_core.quorum import (Joined, LighthouseState, QuorumConfig, decide, healthy_replicas, member_problem,
                             prune_heartbeats, replica_id_problem)
 from ft_core.rpc import SERVER_OPTIONS, TokenAuthInterceptor, normalize_address
@@ -69,15 +69,32 @@ class LighthouseConfig:
         return QuorumConfig(self.min_replicas, self.join_timeout_ms, self.heartbeat_timeout_ms)
 
 
+class _Issued:
+    """An issued quorum and its response, serialized once for all its participants."""
+
+    __slots__ = ("quorum", "_lock", "_response")
+
+    def __init__(self, quorum: Quorum) -> None:
+        self.quorum = quorum
+        self._lock = threading.Lock()
+        self._response: bytes | None = None
+
+    def response(self) -> bytes:
+        with self._lock:
+            if self._response is None:
+                self._response = ft_pb2.LighthouseQuorumResponse(quorum=self.quorum.to_pb()).SerializeToString()
+            return self._response
+
+
 class _Waiter:
     """One in-flight Quorum call: woken through its event when a quorum containing it is issued."""
 
-    __slots__ = ("member", "event", "quorum")
+    __slots__ = ("member", "event", "issued")
 
     def __init__(self, member: QuorumMember) -> None:
         self.member = member
         self.event = threading.Event()
-        self.quorum: Quorum | None = None
+        self.issued: _Issued | None = None
 
 
 class LighthouseCore:
@@ -218,10 +235,11 @@ class LighthouseCore:
         self._prev = quorum
         self._quorum_id = quorum.quorum_id
         self._issued += 1
+        issued = _Issued(quorum)
         for member in quorum.participants:
             self._waiting.pop(member.replica_id, None)
             for waiter in self._waiters.pop(member.replica_id, ()):
-                waiter.quorum = quorum
+                waiter.issued = issued
                 waiter.event.set()
         if self._metrics is not None:
             self._metrics.quorum_latency.observe(now - first_join)
@@ -292,13 +310,38 @@ class LighthouseCore:
                     "token_required": bool(self.config.token), "now_unix_ms": now_ms}
 
 
-class _LighthouseService(ft_pb2_grpc.LighthouseServiceServicer):
-    """gRPC shell: validate, hand to the core, wait for the answer within the caller's deadline."""
+_EMPTY = ft_pb2.LighthouseHeartbeatResponse().SerializeToString()
+
+
+def _raw(response: bytes) -> bytes:
+    return response
+
+
+class _LighthouseService:
+    """gRPC shell: validate, hand to the core, wait for the answer within the caller's deadline.
+
+    Responses leave as bytes: a quorum is serialized once for all its participants.
+    """
+
+    SERVICE = "ftl.LighthouseService"
 
     def __init__(self, core: LighthouseCore) -> None:
         self._core = core
 
-    def Quorum(self, request: ft_pb2.LighthouseQuorumRequest, context: grpc.ServicerContext) -> Any:
+    def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
+        """The service's method handlers (as ft_pb2_grpc registers them, with pass-through serializers)."""
+        request = ft_pb2.LighthouseHeartbeatRequest.FromString
+        return {
+            "Quorum": grpc.unary_unary_rpc_method_handler(
+                self.Quorum, request_deserializer=ft_pb2.LighthouseQuorumRequest.FromString,
+                response_serializer=_raw),
+            "Heartbeat": grpc.unary_unary_rpc_method_handler(
+                self.Heartbeat, request_deserializer=request, response_serializer=_raw),
+            "HeartbeatStream": grpc.stream_stream_rpc_method_handler(
+                self.HeartbeatStream, request_deserializer=request, response_serializer=_raw),
+        }
+
+    def Quorum(self, request: ft_pb2.LighthouseQuorumRequest, context: grpc.ServicerContext) -> bytes:
         member = QuorumMember.from_pb(request.requester) if request.HasField("requester") else None
         problem = member_problem(member)
         if problem is not None:
@@ -311,25 +354,25 @@ class _LighthouseService(ft_pb2_grpc.LighthouseServiceServicer):
         waiter = self._core.join(member)
         context.add_callback(waiter.event.set)  # a cancelled call wakes its waiter at once
         try:
-            while waiter.quorum is None:
+            while waiter.issued is None:
                 left = deadline - time.monotonic()
                 if left <= 0 or not context.is_active() or self._core.closed:
                     context.abort(grpc.StatusCode.DEADLINE_EXCEEDED if left <= 0 else grpc.StatusCode.CANCELLED,
                                   f"lighthouse Quorum: no quorum containing {member.replica_id} before the deadline")
                 waiter.event.wait(left)
-            return ft_pb2.LighthouseQuorumResponse(quorum=waiter.quorum.to_pb())
+            return waiter.issued.response()
         finally:
             self._core.leave(waiter)
 
-    def Heartbeat(self, request: ft_pb2.LighthouseHeartbeatRequest, context: grpc.ServicerContext) -> Any:
+    def Heartbeat(self, request: ft_pb2.LighthouseHeartbeatRequest, context: grpc.ServicerContext) -> bytes:
         problem = replica_id_problem(request.replica_id)
         if problem is not None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lighthouse Heartbeat: {problem}")
         self._core.heartbeat(request.replica_id)
-        return ft_pb2.LighthouseHeartbeatResponse()
+        return _EMPTY
 
     def HeartbeatStream(self, request_iterator: Iterator[ft_pb2.LighthouseHeartbeatRequest],
-                        context: grpc.ServicerContext) -> Iterator[ft_pb2.LighthouseHeartbeatResponse]:
+                        context: grpc.ServicerContext) -> Iterator[bytes]:
         token = object()
         replica_id: str | None = None
         why = "closed by the replica"
@@ -346,7 +389,7 @@ class _LighthouseService(ft_pb2_grpc.LighthouseServiceServicer):
                     self._core.stream_opened(replica_id, token)
                 else:
                     self._core.heartbeat(replica_id)
-                yield ft_pb2.LighthouseHeartbeatResponse()
+                yield _EMPTY
         except grpc.RpcError:
             why = "broke (connection dropped)"
         finally:
@@ -390,7 +433,10 @@ class LighthouseServer:
                                                 thread_name_prefix="ftl-lighthouse-rpc")
         self._server = grpc.server(self._pool, interceptors=[TokenAuthInterceptor(self.config.token)],
                                    options=SERVER_OPTIONS)
-        ft_pb2_grpc.add_LighthouseServiceServicer_to_server(_LighthouseService(self.core), self._server)
+        handlers = _LighthouseService(self.core).handlers()
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_LighthouseService.SERVICE,
+                                                                                   handlers),))
+        self._server.add_registered_method_handlers(_LighthouseService.SERVICE, handlers)
         try:
             self._port = self._server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
         except RuntimeError as exc:

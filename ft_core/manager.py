@@ -14,10 +14,10 @@ the same averaged gradient and ends the step bit-identical to the others.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import enum
 import logging
 import os
-import re
 import threading
 import time
 import uuid
@@ -137,9 +137,8 @@ def participation(result: QuorumResult, *, use_async_quorum: bool, allow_heal: b
     return rank, world
 
 
-def _global_rank(replica_id: str, group_rank: int, group_world_size: int) -> int:
-    digits = re.search(r"(\d+)(?::[0-9a-f]+)?$", replica_id)
-    return (int(digits.group(1)) if digits else 0) * group_world_size + group_rank
+def _capped(world: int, cfg: ManagerConfig) -> int:
+    return min(world, cfg.min_replica_size) if cfg.world_size_mode == WorldSizeMode.FIXED_WITH_SPARES else world
 
 
 def _nbytes(obj: Any) -> int:
@@ -193,6 +192,7 @@ class Manager:
         self._heal_info: dict[str, Any] = {}
         self._participating_rank: int | None = None
         self._participating_world_size = 0
+        self._vote_world_size = 0
         self._quorum_future: concurrent.futures.Future | None = None
         self._closed = False
         self._server: Any = None
@@ -200,13 +200,14 @@ class Manager:
         self._store: Any = None
 
         self._setup_store_and_server(cfg, store_addr, store_port)
-        self.config = cfg = dataclass_replace(cfg, replica_id=self._replica_id)
+        self.config = cfg = dataclasses.replace(cfg, replica_id=self._replica_id)
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"ft-quorum[{cfg.replica_id}/{cfg.group_rank}]")
         if checkpoint_transport is None:
             from ft_core.checkpointing import HTTPTransport
 
-            checkpoint_transport = HTTPTransport(timeout=cfg.timeout, num_chunks=0, token=cfg.token)
+            checkpoint_transport = HTTPTransport(timeout=cfg.timeout, num_chunks=0, token=cfg.token,
+                                                 hostname=cfg.hostname, bind=f"{cfg.hostname}:0")
         self._transport = checkpoint_transport
         logger.info("%s manager started: %s", self._prefix(), cfg)
 
@@ -374,6 +375,10 @@ class Manager:
                                     init_sync=cfg.init_sync, mode=cfg.world_size_mode,
                                     min_replica_size=cfg.min_replica_size)
         self._participating_rank, self._participating_world_size = rank, world
+        # At step 0 with init_sync only the first group contributes, but every group at max_step ends
+        # this step in sync, so all of them count toward min_replica_size (else nobody could commit).
+        synced = _capped(result.max_world_size, cfg) if cfg.init_sync and result.max_step == 0 else world
+        self._vote_world_size = max(world, synced) if allow_heal else world
         heal = allow_heal and result.heal
         changed = result.quorum_id != self._quorum_id
         if changed or heal or result.recover_dst_replica_ranks:
@@ -495,7 +500,7 @@ class Manager:
         if self._pending_state_dict is not None:
             self._apply_pending_state_dict()
         n = self._participating_world_size
-        local = n >= self.config.min_replica_size and self._errored is None
+        local = self._vote_world_size >= self.config.min_replica_size and self._errored is None
         decision = self._vote(local, timeout if timeout is not None else self.config.timeout)
         self._transport.disallow_checkpoint()
         if decision:
@@ -618,9 +623,3 @@ def _check_reduce_op(tensor: torch.Tensor, reduce_op: ReduceOp) -> None:
     if reduce_op == ReduceOp.AVG and not (tensor.is_floating_point() or tensor.is_complex()):
         raise ConfigError(f"allreduce with ReduceOp.AVG needs a floating point tensor, got {tensor.dtype}; "
                           f"use ReduceOp.SUM for integers and divide yourself")
-
-
-def dataclass_replace(cfg: ManagerConfig, **changes: Any) -> ManagerConfig:
-    import dataclasses
-
-    return dataclasses.replace(cfg, **changes)

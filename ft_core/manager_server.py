@@ -42,6 +42,12 @@ NO_DEADLINE_S = 1e9  # grpcio reports "no deadline" as ~9e18 seconds remaining
 KILL_EXIT_DELAY_S = 0.1  # lets the Kill response reach the caller before the process exits
 
 
+def answer_by(timeout_s: float) -> float:
+    """Monotonic time at which to give up on a caller with `timeout_s` left: a little before its own
+    deadline, so it receives our explanation instead of a bare DEADLINE_EXCEEDED."""
+    return time.monotonic() + timeout_s - min(0.2, 0.1 * timeout_s)
+
+
 @dataclass(frozen=True)
 class ManagerServerConfig:
     """Resolved settings of one manager server (environment overrides arguments)."""
@@ -186,6 +192,10 @@ class ManagerServer:
     def replica_id(self) -> str:
         return self.config.replica_id
 
+    def wait_heartbeat_connected(self, timeout: timedelta | float) -> bool:
+        """True once the lighthouse answers our heartbeat stream (from then on our death is seen at once)."""
+        return bool(self._heartbeat.wait_connected(timeout))
+
     def last_quorum_id(self) -> int:
         """Highest quorum_id this server has received from the lighthouse."""
         return self._last_quorum_id
@@ -258,7 +268,7 @@ class ManagerServer:
             raise self._invalid("Quorum", f"checkpoint_metadata is {size} bytes; the limit is "
                                           f"{MAX_CHECKPOINT_METADATA_BYTES} (it should be a transport address)")
         timeout_s = rpc.seconds(timeout)
-        deadline = time.monotonic() + timeout_s
+        deadline = answer_by(timeout_s)
         entry = _RankRequest(group_rank, step, shrink_only, commit_failures, deadline)
         with self._cond:
             self._check_open("Quorum")
@@ -314,15 +324,15 @@ class ManagerServer:
             by_step = ", ".join(f"group rank {r.group_rank} at step {r.step}" for r in requests)
             error = RPCError(f"Quorum: the ranks of replica group {self.replica_id} report different steps "
                              f"({by_step}); every rank of a group must commit the same steps (check for a rank "
-                             f"that skipped should_commit or loaded another checkpoint)", peer=self._address, call="Quorum",
-                             code="FAILED_PRECONDITION")
+                             f"that skipped should_commit or loaded another checkpoint)", peer=self._address,
+                             call="Quorum", code="FAILED_PRECONDITION")
         else:
             member = QuorumMember(
                 replica_id=self.replica_id, address=self._address, store_address=self.config.store_addr,
                 step=requests[0].step, world_size=self.config.world_size,
                 shrink_only=any(r.shrink_only for r in requests),
                 commit_failures=max(r.commit_failures for r in requests), last_quorum_id=self._last_quorum_id)
-            deadline = min(r.deadline for r in requests)  # every rank hears the outcome in time
+            deadline = min(r.deadline for r in requests)  # every rank hears the outcome before its deadline
             try:
                 quorum = self._lighthouse_quorum(member, deadline)
             except FTError as exc:
@@ -344,8 +354,6 @@ class ManagerServer:
 
     def _lighthouse_quorum(self, member: QuorumMember, deadline: float) -> Quorum:
         """One lighthouse quorum for the group, retried `quorum_retries` times on failures before the deadline."""
-        # Stop a little before the ranks' deadline so they receive our error rather than a bare timeout.
-        deadline -= min(0.1, max(deadline - time.monotonic(), 0) * 0.05)
         attempts = self.config.quorum_retries + 1
         delays = rpc.backoff_delays(initial=0.1, cap=1.0)
         last: FTError | None = None
@@ -402,7 +410,7 @@ class ManagerServer:
         self._check_rank("ShouldCommit", group_rank)
         self._check_step("ShouldCommit", step)
         timeout_s = rpc.seconds(timeout)
-        deadline = time.monotonic() + timeout_s
+        deadline = answer_by(timeout_s)
         token = object()
         with self._cond:
             self._check_open("ShouldCommit")

@@ -46,10 +46,20 @@ from ft_core.process_group_child import (
 logger = logging.getLogger("ft_core.process_group")
 
 __all__ = [
-    "COLLECTIVES", "DEFAULT_TIMEOUT", "ProcessGroup", "ProcessGroupWrapper", "ProcessGroupGloo",
-    "ProcessGroupNCCL", "ProcessGroupXCCL", "ProcessGroupBabyGloo", "ProcessGroupBabyNCCL",
-    "ProcessGroupBabyXCCL", "ErrorSwallowingProcessGroupWrapper", "FakeProcessGroupWrapper",
-    "ManagedProcessGroup", "ProcessGroupDummy",
+    "COLLECTIVES",
+    "DEFAULT_TIMEOUT",
+    "ErrorSwallowingProcessGroupWrapper",
+    "FakeProcessGroupWrapper",
+    "ManagedProcessGroup",
+    "ProcessGroup",
+    "ProcessGroupBabyGloo",
+    "ProcessGroupBabyNCCL",
+    "ProcessGroupBabyXCCL",
+    "ProcessGroupDummy",
+    "ProcessGroupGloo",
+    "ProcessGroupNCCL",
+    "ProcessGroupWrapper",
+    "ProcessGroupXCCL",
 ]
 
 # Extra seconds wait() allows past the backend's own op timeout before it gives up by itself.
@@ -64,7 +74,7 @@ def group_label(quorum_id: int | None, replica_id: str, rank: int) -> str:
 class _BackendWork(dist.Work):
     """Work of an in-process backend: errors mapped and recorded on the group; wait() has a deadline."""
 
-    def __init__(self, pg: "ProcessGroupWrapper", inner: dist.Work, name: str, result: Any,
+    def __init__(self, pg: ProcessGroupWrapper, inner: dist.Work, name: str, result: Any,
                  generation: int, devices: list[torch.device] | None) -> None:
         super().__init__()
         self._pg = pg
@@ -121,7 +131,7 @@ class ProcessGroupWrapper(ProcessGroup):
         self._configure_lock = threading.Lock()
         self._waiter = Waiter(f"ft-{self.BACKEND}-waiter")
 
-    def getBackendName(self) -> str:  # noqa: N802
+    def getBackendName(self) -> str:
         return f"ft-{self.BACKEND}"
 
     # -- subclass hooks ---------------------------------------------------------------------
@@ -220,7 +230,7 @@ class ProcessGroupWrapper(ProcessGroup):
             else:
                 inner = getattr(backend, name)(*args, default_opts(name, opts))
         except Exception as exc:  # bad arguments or an unsupported op: the group itself is fine
-            raise as_error(exc, f"{self.getBackendName()} {name} could not be issued") from exc
+            raise as_error(exc, f"{self.getBackendName()} {name} could not be issued", broken=False) from exc
         work = _BackendWork(self, inner, name, op_result(name, args), generation, self._devices(args))
         self._after_issue(work, generation)
         return work
@@ -330,17 +340,17 @@ class ProcessGroupXCCL(_AcceleratorGroup):
 
 
 # Re-exported so `from ft_core.process_group import ...` reaches every group type.
-from ft_core.process_group_baby import (  # noqa: E402
+from ft_core.process_group_baby import (
     ProcessGroupBaby,
     ProcessGroupBabyGloo,
     ProcessGroupBabyNCCL,
     ProcessGroupBabyXCCL,
 )
-from ft_core.process_group_wrappers import (  # noqa: E402
+from ft_core.process_group_wrappers import (
     ErrorSwallowingProcessGroupWrapper,
     FakeProcessGroupWrapper,
     ManagedProcessGroup,
     ProcessGroupDummy,
 )
 
-__all__ += ["ProcessGroupBaby", "CompletedWork"]
+__all__ += ["CompletedWork", "ProcessGroupBaby"]

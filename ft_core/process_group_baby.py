@@ -1,7 +1,7 @@
-"""Subprocess ("Baby") process groups: the backend runs in a spawned child, so a hung collective is
+"""Subprocess ("Baby") process groups: the backend runs in a child process, so a hung collective is
 ended by killing the child, which can never deadlock the trainer.
 
-configure() kills the old child and spawns a new one. CPU tensors cross through shared memory
+configure() kills the old child and starts a new one (see START_METHODS). CPU tensors cross through shared memory
 (moved there in place on first use), CUDA tensors through CUDA IPC; before each device op the parent
 records an interprocess event on its current stream and the child's stream waits on it, so the child
 never reads a tensor before the parent's kernels that wrote it have finished. The child reports an
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ft_core.env import resolve_seconds
-from ft_core.errors import FTTimeoutError, ProcessGroupError
+from ft_core.env import resolve_seconds, resolve_str
+from ft_core.errors import ConfigError, FTTimeoutError, ProcessGroupError
 from ft_core.process_group_base import (
     FutureWork,
     ProcessGroup,
@@ -34,11 +34,21 @@ from ft_core.process_group_base import (
     default_opts,
     op_result,
 )
-from ft_core.process_group_child import ChildSpec, is_loopback, main as child_main, opts_spec, parse_store_addr
+from ft_core.process_group_child import (
+    ChildSpec,
+    is_loopback,
+    opts_spec,
+    parse_store_addr,
+)
+from ft_core.process_group_child import main as child_main
 
 logger = logging.getLogger("ft_core.process_group")
 
 DEFAULT_START_TIMEOUT = timedelta(seconds=60)
+# How children start. Both give a fresh interpreter (never a fork of the trainer with its threads
+# and CUDA state): "forkserver" forks each child from one preloaded server (fast reconfigure),
+# "spawn" starts each child from scratch (imports torch every time).
+START_METHODS = ("forkserver", "spawn")
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -63,8 +73,13 @@ class _Pending:
 class _Child:
     """One generation of the child process: its pipes, its in-flight ops and its receiver thread."""
 
-    def __init__(self, owner: str, spec: ChildSpec, start_timeout: float) -> None:
-        ctx = multiprocessing.get_context("spawn")
+    def __init__(self, owner: str, spec: ChildSpec, start_timeout: float, start_method: str) -> None:
+        ctx = multiprocessing.get_context(start_method)
+        if start_method == "forkserver":
+            # Children fork from a server that already imported torch and our child module, so a
+            # reconfigure costs milliseconds rather than a torch import. (Takes effect when the
+            # server first starts; the server itself is a fresh interpreter, never a fork of ours.)
+            ctx.set_forkserver_preload(["ft_core.process_group_child"])
         self.owner = owner
         self._req_recv, self._req_send = ctx.Pipe(duplex=False)
         self._rep_recv, self._rep_send = ctx.Pipe(duplex=False)
@@ -234,14 +249,19 @@ class ProcessGroupBaby(ProcessGroup):
     BACKEND = "gloo"
 
     def __init__(self, timeout: timedelta | float | None = None,
-                 start_timeout: timedelta | float | None = None) -> None:
+                 start_timeout: timedelta | float | None = None, start_method: str | None = None) -> None:
         super().__init__(timeout)
         self._start_timeout = resolve_seconds(start_timeout, "FT_BABY_START_TIMEOUT_SEC", DEFAULT_START_TIMEOUT)
+        method = resolve_str(start_method, "FT_BABY_START_METHOD", "forkserver")
+        if method not in START_METHODS:
+            raise ConfigError(f"start_method {method!r} is not one of {', '.join(START_METHODS)} "
+                              "(check FT_BABY_START_METHOD)")
+        self._start_method = method
         self._child: _Child | None = None
         self._lock = threading.Lock()
         self._aborted: Exception | None = None
 
-    def getBackendName(self) -> str:  # noqa: N802
+    def getBackendName(self) -> str:
         return f"ft-baby-{self.BACKEND}"
 
     def _child_device(self, store_host: str) -> str | None:
@@ -265,7 +285,8 @@ class ProcessGroupBaby(ProcessGroup):
         owner = f"ft-baby-{self.BACKEND}-r{rank}"
         started = time.monotonic()
         # The child's own store and connect deadlines end it first; this bound covers a stuck spawn.
-        child = _Child(owner, spec, self._start_timeout.total_seconds() * 2 + self._timeout.total_seconds())
+        child = _Child(owner, spec, self._start_timeout.total_seconds() * 2 + self._timeout.total_seconds(),
+                       self._start_method)
         with self._lock:
             self._child = child
             self._aborted = None

@@ -13,8 +13,9 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,13 +44,18 @@ COLLECTIVES = ("allreduce", "allreduce_coalesced", "allgather", "allgather_into_
                "send", "recv")
 
 
-def as_error(exc: BaseException, context: str) -> Exception:
-    """Map a backend failure to FTTimeoutError (a deadline passed) or ProcessGroupError, naming the call."""
+def as_error(exc: BaseException, context: str, broken: bool = True) -> Exception:
+    """Map a backend failure to FTTimeoutError (a deadline passed) or ProcessGroupError, naming the call.
+
+    `broken`: the failure broke the group (say so) rather than only this call's arguments.
+    """
     if isinstance(exc, (FTTimeoutError, ProcessGroupError)):
         return exc
     message = f"{context}: {type(exc).__name__}: {exc}"
     if error_kind(exc) == "timeout":
         return FTTimeoutError(message + " (a peer is dead or hung; the group must be reconfigured)")
+    if not broken:
+        return ProcessGroupError(message)
     return ProcessGroupError(message + " (the group must be reconfigured before the next collective)")
 
 
@@ -273,7 +279,7 @@ class ProcessGroup(_C10dProcessGroup):
     def timeout(self) -> timedelta:
         return self._timeout
 
-    def __enter__(self) -> "ProcessGroup":
+    def __enter__(self) -> ProcessGroup:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -286,22 +292,22 @@ class ProcessGroup(_C10dProcessGroup):
     def rank(self) -> int:
         return self._rank
 
-    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+    def getBackendName(self) -> str:
         return "ft-base"
 
-    def getGroupName(self) -> str:  # noqa: N802 - torch's name, called from C++
+    def getGroupName(self) -> str:
         return self._group_name
 
-    def setGroupName(self, name: str) -> None:  # noqa: N802
+    def setGroupName(self, name: str) -> None:
         self._group_name = name
 
-    def getGroupDesc(self) -> str:  # noqa: N802
+    def getGroupDesc(self) -> str:
         return self._group_desc
 
-    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+    def setGroupDesc(self, desc: str) -> None:
         self._group_desc = desc
 
-    def register(self, name: str) -> "ProcessGroup":
+    def register(self, name: str) -> ProcessGroup:
         """Make functional collectives (and anything resolving a group by name) find this group.
 
         Registers this object in torch's process-group registry under

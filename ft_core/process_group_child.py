@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing  # noqa: F401  (registers tensor/event reductions for the pipes)
+import torch.multiprocessing
 from torch._C._distributed_c10d import (
     AllgatherOptions,
     AllreduceCoalescedOptions,

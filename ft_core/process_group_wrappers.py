@@ -71,7 +71,7 @@ class ProcessGroupDelegate(ProcessGroup):
     def rank(self) -> int:
         return self._pg.rank()
 
-    def getBackendName(self) -> str:  # noqa: N802
+    def getBackendName(self) -> str:
         return self._pg.getBackendName()
 
     def _collective(self, name: str, args: tuple, opts: Any) -> dist.Work:
@@ -81,7 +81,7 @@ class ProcessGroupDelegate(ProcessGroup):
 class _SwallowingWork(dist.Work):
     """Waits on the real work; an error is recorded on the wrapper and the op returns its inputs."""
 
-    def __init__(self, owner: "ErrorSwallowingProcessGroupWrapper", work: dist.Work, result: Any) -> None:
+    def __init__(self, owner: ErrorSwallowingProcessGroupWrapper, work: dist.Work, result: Any) -> None:
         super().__init__()
         self._owner = owner
         self._work = work
@@ -211,7 +211,7 @@ class ManagedProcessGroup(ProcessGroup):
         super().__init__(timeout)
         self._manager = manager
 
-    def getBackendName(self) -> str:  # noqa: N802
+    def getBackendName(self) -> str:
         return "ft-managed"
 
     def size(self) -> int:
@@ -243,7 +243,7 @@ class ProcessGroupDummy(ProcessGroup):
         self._world_size = world
         self.configure_count = 0
 
-    def getBackendName(self) -> str:  # noqa: N802
+    def getBackendName(self) -> str:
         return "ft-dummy"
 
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,

@@ -27,7 +27,7 @@ class QuorumMember:
     last_quorum_id: int = 0
 
     def to_pb(self) -> ft_pb2.QuorumMember:
-        return ft_pb2.QuorumMember(**dataclasses.asdict(self))
+        return ft_pb2.QuorumMember(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
     @classmethod
     def from_pb(cls, msg: ft_pb2.QuorumMember) -> "QuorumMember":

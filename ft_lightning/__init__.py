@@ -9,7 +9,10 @@ not import Lightning, torch or Accelerate itself; the strategy classes load on f
 from __future__ import annotations
 
 import importlib
-from typing import Any
+
+TYPE_CHECKING = False  # keep `import ft_lightning` cheap: it may run at interpreter start-up
+if TYPE_CHECKING:
+    from typing import Any
 
 from ft_lightning._registration import STRATEGY_NAME, install
 

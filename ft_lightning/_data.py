@@ -31,15 +31,22 @@ def training_shard(num_replica_groups: int, replica_group_id: int, group_world_s
     return {"num_replicas": world, "rank": rank}
 
 
-class _SkipFirst:
-    """Mixed into a sampler's class: the next `__iter__` skips `_ft_skip` indices, once."""
+def _skipping_class(cls: type) -> type:
+    """`cls` whose next `__iter__` skips `_ft_skip` indices, once. A single-base subclass, so the
+    instance layout is unchanged and `__class__` can be swapped in place."""
+    skip_cls = _skip_classes.get(cls)
+    if skip_cls is not None:
+        return skip_cls
 
-    _ft_skip = 0
-
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self: Any) -> Iterator[Any]:
         skip, self._ft_skip = self._ft_skip, 0
-        indices = super().__iter__()  # type: ignore[misc]
+        indices = super(skip_cls, self).__iter__()
         return itertools.islice(indices, skip, None) if skip else indices
+
+    skip_cls = type(cls.__name__, (cls,), {"__iter__": __iter__, "_ft_skip": 0, "_ft_skippable": True,
+                                            "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    _skip_classes[cls] = skip_cls
+    return skip_cls
 
 
 _skip_classes: dict[type, type] = {}
@@ -53,14 +60,11 @@ def _arm_skip(dataloader: Any, batches: int) -> bool:
     if type(batch_sampler) is not BatchSampler or not isinstance(batch_sampler.sampler, Sampler):
         return False
     sampler = batch_sampler.sampler
-    cls = type(sampler)
-    if not issubclass(cls, _SkipFirst):
-        skip_cls = _skip_classes.get(cls)
-        if skip_cls is None:
-            skip_cls = type(cls.__name__, (_SkipFirst, cls), {"__module__": cls.__module__,
-                                                               "__qualname__": cls.__qualname__})
-            _skip_classes[cls] = skip_cls
-        sampler.__class__ = skip_cls
+    if not getattr(type(sampler), "_ft_skippable", False):
+        try:
+            sampler.__class__ = _skipping_class(type(sampler))
+        except TypeError:  # a layout Python will not swap (e.g. __slots__); fall back to drawing batches
+            return False
     sampler._ft_skip = batches * dataloader.batch_size
     return True
 
@@ -101,7 +105,7 @@ def reposition(trainer: Any, epoch: int, next_batch: int) -> None:
     if not in_sampler:  # undo any partial arming, then skip by drawing batches
         for dl in loaders:
             sampler = getattr(getattr(dl, "batch_sampler", None), "sampler", None)
-            if isinstance(sampler, _SkipFirst):
+            if getattr(type(sampler), "_ft_skippable", False):
                 sampler._ft_skip = 0
     iter(fetcher)  # a fresh iterator over the combined loader (sets fetched=0)
     if not in_sampler:

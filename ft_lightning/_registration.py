@@ -14,59 +14,53 @@ Kept free of heavy imports (no importlib.abc, no Lightning, no torch): it may ru
 
 from __future__ import annotations
 
-import logging
 import sys
-from typing import Any, Callable
 
-logger = logging.getLogger(__name__)
+TYPE_CHECKING = False  # typing costs ~5 ms at start-up; annotations only
+if TYPE_CHECKING:
+    from typing import Any, Callable
 
 STRATEGY_NAME = "fault_tolerant_ddp"
 
 
-def _register_trainer(namespace: str) -> None:
-    if namespace == "lightning.pytorch":
-        from lightning.pytorch.strategies import StrategyRegistry
-
-        from ft_lightning.strategy import FaultTolerantDDPStrategy as cls
-    else:
-        from pytorch_lightning.strategies import StrategyRegistry  # type: ignore[no-redef]
-
-        from ft_lightning.pytorch_lightning import FaultTolerantDDPStrategy as cls  # type: ignore[no-redef]
-    cls.register_strategies(StrategyRegistry)
-
-
-def _register_fabric(namespace: str) -> None:
-    if namespace == "lightning.fabric":
-        from lightning.fabric.strategies import STRATEGY_REGISTRY
-
-        from ft_lightning.fabric import FaultTolerantFabricDDPStrategy as cls
-    else:
-        from lightning_fabric.strategies import STRATEGY_REGISTRY  # type: ignore[no-redef]
-
-        from ft_lightning.lightning_fabric import FaultTolerantFabricDDPStrategy as cls  # type: ignore[no-redef]
-    cls.register_strategies(STRATEGY_REGISTRY)
-
-
-# namespace package -> how to register our strategy in it (runs once that package is imported)
-REGISTRARS: dict[str, Callable[[str], None]] = {
-    "lightning.pytorch": _register_trainer,
-    "pytorch_lightning": _register_trainer,
-    "lightning.fabric": _register_fabric,
-    "lightning_fabric": _register_fabric,
+# namespace -> (our module, its strategy class, the namespace's registry module, registry name)
+TARGETS: dict[str, tuple[str, str, str, str]] = {
+    "lightning.pytorch": ("ft_lightning.strategy", "FaultTolerantDDPStrategy",
+                          "lightning.pytorch.strategies", "StrategyRegistry"),
+    "pytorch_lightning": ("ft_lightning.pytorch_lightning", "FaultTolerantDDPStrategy",
+                          "pytorch_lightning.strategies", "StrategyRegistry"),
+    "lightning.fabric": ("ft_lightning.fabric", "FaultTolerantFabricDDPStrategy",
+                         "lightning.fabric.strategies", "STRATEGY_REGISTRY"),
+    "lightning_fabric": ("ft_lightning.lightning_fabric", "FaultTolerantFabricDDPStrategy",
+                         "lightning_fabric.strategies", "STRATEGY_REGISTRY"),
 }
 
 _done: set[str] = set()
 
 
-def register(namespace: str) -> bool:
-    """Register the strategy in one namespace (idempotent). False, with a warning logged, on failure."""
+def register(namespace: str, cls: Any = None) -> bool:
+    """Register the strategy in one namespace (idempotent). False, with a warning logged, on failure.
+
+    Our strategy modules call this with their class when they finish importing, which covers the
+    case where importing one of them is what imported Lightning (the hook then finds it half-done)."""
     if namespace in _done:
         return True
+    ours, class_name, registry_module, registry_name = TARGETS[namespace]
+    if cls is None and _importing(ours):
+        return False  # it registers itself at the end of its import
     try:
-        REGISTRARS[namespace](namespace)
+        import importlib
+
+        if cls is None:
+            cls = getattr(importlib.import_module(ours), class_name)
+        registry = getattr(importlib.import_module(registry_module), registry_name)
+        cls.register_strategies(registry)
     except Exception as exc:  # never break the user's `import lightning` because of us
-        logger.warning("ft_lightning could not register %r in %s: %s: %s; pass the strategy object "
-                       "instead of its name", STRATEGY_NAME, namespace, type(exc).__name__, exc)
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "ft_lightning could not register %r in %s: %s: %s; pass the strategy object instead of its name",
+            STRATEGY_NAME, namespace, type(exc).__name__, exc)
         return False
     _done.add(namespace)
     return True
@@ -82,7 +76,7 @@ class _RegisterAfterImport:
         self._busy: set[str] = set()
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname not in REGISTRARS or fullname in _done or fullname in self._busy:
+        if fullname not in TARGETS or fullname in _done or fullname in self._busy:
             return None
         self._busy.add(fullname)
         try:
@@ -115,7 +109,7 @@ _finder: _RegisterAfterImport | None = None
 
 def _uninstall_when_done() -> None:
     global _finder
-    if _finder is not None and all(ns in _done for ns in REGISTRARS):
+    if _finder is not None and all(ns in _done for ns in TARGETS):
         try:
             sys.meta_path.remove(_finder)
         except ValueError:
@@ -126,12 +120,12 @@ def _uninstall_when_done() -> None:
 def install() -> None:
     """Register in the Lightning namespaces already imported; hook the others' first import."""
     global _finder
-    for namespace in REGISTRARS:
+    for namespace in TARGETS:
         if namespace in sys.modules and getattr(sys.modules[namespace], "__spec__", None) is not None:
             # a namespace still importing (we are inside its import) is finished by the hook
             if not _importing(namespace):
                 register(namespace)
-    if _finder is None and not all(ns in _done for ns in REGISTRARS):
+    if _finder is None and not all(ns in _done for ns in TARGETS):
         _finder = _RegisterAfterImport()
         sys.meta_path.insert(0, _finder)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from lightning.fabric.strategies import DDPStrategy
 
+from ft_lightning._registration import register
 from ft_lightning._fabric_strategy import FaultTolerantFabricMixin
 
 __all__ = ["FaultTolerantFabricDDPStrategy"]
@@ -26,3 +27,6 @@ __all__ = ["FaultTolerantFabricDDPStrategy"]
 
 class FaultTolerantFabricDDPStrategy(FaultTolerantFabricMixin, DDPStrategy):
     __doc__ = FaultTolerantFabricMixin.__doc__
+
+
+register("lightning.fabric", FaultTolerantFabricDDPStrategy)

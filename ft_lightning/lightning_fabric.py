@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from lightning_fabric.strategies import DDPStrategy
 
+from ft_lightning._registration import register
 from ft_lightning._fabric_strategy import FaultTolerantFabricMixin
 
 __all__ = ["FaultTolerantFabricDDPStrategy"]
@@ -12,3 +13,6 @@ __all__ = ["FaultTolerantFabricDDPStrategy"]
 
 class FaultTolerantFabricDDPStrategy(FaultTolerantFabricMixin, DDPStrategy):
     __doc__ = FaultTolerantFabricMixin.__doc__
+
+
+register("lightning_fabric", FaultTolerantFabricDDPStrategy)

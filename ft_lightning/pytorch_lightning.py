@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pytorch_lightning.strategies import DDPStrategy
 
+from ft_lightning._registration import register
 from ft_lightning._trainer_strategy import FaultTolerantTrainerMixin
 
 __all__ = ["FaultTolerantDDPStrategy"]
@@ -16,3 +17,6 @@ __all__ = ["FaultTolerantDDPStrategy"]
 
 class FaultTolerantDDPStrategy(FaultTolerantTrainerMixin, DDPStrategy):
     __doc__ = FaultTolerantTrainerMixin.__doc__
+
+
+register("pytorch_lightning", FaultTolerantDDPStrategy)

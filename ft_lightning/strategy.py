@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from lightning.pytorch.strategies import DDPStrategy
 
+from ft_lightning._registration import register
 from ft_lightning._trainer_strategy import FaultTolerantTrainerMixin
 
 __all__ = ["FaultTolerantDDPStrategy"]
@@ -18,3 +19,6 @@ __all__ = ["FaultTolerantDDPStrategy"]
 
 class FaultTolerantDDPStrategy(FaultTolerantTrainerMixin, DDPStrategy):
     __doc__ = FaultTolerantTrainerMixin.__doc__
+
+
+register("lightning.pytorch", FaultTolerantDDPStrategy)

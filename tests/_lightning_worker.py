@@ -181,7 +181,7 @@ def main() -> None:
     callbacks: list[pl.Callback] = [Recorder(args, events)]
     ckpt_dir = os.path.join(args.out, "ckpts")  # the strategy makes it ckpts/replica_group_<id>
     if args.checkpoint:
-        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=1,
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=2,
                                                       save_top_k=1))
     trainer = pl.Trainer(strategy="fault_tolerant_ddp", accelerator="cpu", devices=args.devices,
                          max_epochs=args.epochs, accumulate_grad_batches=args.accumulate,

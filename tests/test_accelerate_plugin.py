@@ -211,6 +211,7 @@ TRANSPORT_CASES = [
     ({"fn": print}, "state['fn'] is a builtins.builtin_function_or_method"),
     ({"s": {1, 2}}, "state['s'] is a builtins.set"),
     ({(1, 2): 3}, "has a key (1, 2)"),
+    ({"mode": type("Mode", (str,), {})("max")}, "is a test_accelerate_plugin.Mode"),
     ([object()], "state[0] is a builtins.object"),
 ]
 
@@ -246,10 +247,10 @@ def accelerator_factory(clean_env):
 
     made = []
     with LighthouseServer(bind="127.0.0.1:0", min_replicas=1, http_bind=None) as lighthouse:
-        def make(**ft_args):
+        def make(**accelerator_kwargs):
             plugin = FaultTolerancePlugin(lighthouse=lighthouse.address(), timeout=10, quorum_timeout=10,
-                                          connect_timeout=10, **ft_args)
-            made.append(FaultTolerantAccelerator(ft=plugin, cpu=True))
+                                          connect_timeout=10)
+            made.append(FaultTolerantAccelerator(ft=plugin, **{"cpu": True, **accelerator_kwargs}))
             return made[-1]
 
         try:
@@ -283,22 +284,24 @@ def _assert_same(a, b):
         assert a == b
 
 
-@pytest.mark.timeout(60)
-def test_a_step_that_does_not_commit_is_skipped_and_leaves_optimizer_and_scheduler_unchanged(accelerator_factory):
-    accelerator = accelerator_factory()
+def _check_commit_gating(accelerator, clip: bool) -> None:
+    """Commit, then a step whose error keeps it from committing, then commit again."""
+    device = accelerator.device
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     net = accelerator.unwrap_model(model)
-    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    x, y = torch.randn(8, 4, device=device), torch.randn(8, 1, device=device)
 
     def train_step(inject_error: bool) -> None:
         loss = torch.nn.functional.mse_loss(model(x), y)
         accelerator.backward(loss)
         if inject_error:  # a failed collective is recorded the same way: the step must not commit
             accelerator.ft_manager.report_error(RuntimeError("injected by the test"))
+        if clip:
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
@@ -319,6 +322,20 @@ def test_a_step_that_does_not_commit_is_skipped_and_leaves_optimizer_and_schedul
     assert not accelerator.optimizer_step_was_skipped and accelerator.ft_step == 2
     assert scheduler.get_last_lr() == [0.025]
     assert accelerator.ft_stats == {"step": 2, "commits": 2, "skipped": 1, "cross_group_allreduces": 3}
+
+
+@pytest.mark.timeout(60)
+def test_a_step_that_does_not_commit_is_skipped_and_leaves_optimizer_and_scheduler_unchanged(accelerator_factory):
+    _check_commit_gating(accelerator_factory(), clip=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_with_nccl_and_fp16_a_skipped_step_changes_nothing_and_training_goes_on(accelerator_factory):
+    accelerator = accelerator_factory(cpu=False, mixed_precision="fp16")
+    assert accelerator.device.type == "cuda" and accelerator._cross_group_backend() == "nccl"
+    _check_commit_gating(accelerator, clip=True)  # clipping unscales: a skipped step must forget that
 
 
 def test_importing_the_accelerate_integration_does_not_import_lightning():

@@ -263,6 +263,7 @@ from ft_core.errors import FTError
 from ft_core.manager_server import ManagerServer
 
 server = ManagerServer(sys.argv[2], sys.argv[1], world_size=1)
+assert server.wait_heartbeat_connected(20), "heartbeat stream never connected"
 print(server.address(), flush=True)
 while True:
     try:

@@ -109,7 +109,7 @@ def test_a_rank_alone_times_out_naming_the_missing_rank_and_leaves_no_stale_call
         group: tuple[ManagerServer, list[ManagerClient]]) -> None:
     _, clients = group
     with pytest.raises(FTTimeoutError, match=r"group rank\(s\) \[1\]"):
-        clients[0].quorum(0, 1, "x", False, timedelta(seconds=0.5))
+        clients[0].quorum(0, 1, "x", False, timedelta(seconds=1))
     # Had the timed-out call stayed in the round, rank 1 alone would complete it and rank 0's next call would hang.
     results = run_ranks(quorum_calls(clients, [1, 1]))
     assert all(isinstance(r, QuorumResult) for r, _ in results), results
@@ -152,7 +152,7 @@ def test_should_commit_for_another_step_is_an_error_for_every_rank(group: tuple[
 def test_should_commit_times_out_when_a_rank_never_votes(group: tuple[ManagerServer, list[ManagerClient]]) -> None:
     _, clients = group
     with pytest.raises(FTTimeoutError, match=r"group rank\(s\) \[0\] did not vote"):
-        clients[1].should_commit(1, 3, True, timedelta(seconds=0.3))
+        clients[1].should_commit(1, 3, True, timedelta(seconds=1))
     assert [r for r, _ in run_ranks([lambda r=r: clients[r].should_commit(r, 3, False, TIMEOUT)
                                      for r in range(2)])] == [False, False]
 

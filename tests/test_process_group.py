@@ -10,6 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from test_process_group_helpers import (
+    resources,
+    run_case,
+    run_ranks,
+    table_cases,
+    torch_gloo_group,
+)
 from torch._C._distributed_c10d import ReduceOp, TCPStore
 
 from ft_core.errors import ConfigError, FTTimeoutError, ProcessGroupError
@@ -23,7 +30,6 @@ from ft_core.process_group import (
     ProcessGroupGloo,
 )
 from ft_core.process_group_child import is_timeout_message, parse_store_addr
-from test_process_group_helpers import resources, run_case, run_ranks, table_cases, torch_gloo_group
 
 GROUP_TYPES = [ProcessGroupGloo, ProcessGroupBabyGloo]
 
@@ -102,7 +108,6 @@ def _check_table(store: TCPStore, groups: list[ProcessGroup], world: int, stage:
         for (name, dtype), got, want in zip(cases, ours, theirs):
             for g, w in zip(got, want):
                 assert g.dtype == dtype and torch.equal(g, w), f"{stage} rank {rank} {name} {dtype}: {g} != {w}"
-    del refs
 
 
 @pytest.mark.timeout(90)
@@ -228,15 +233,37 @@ def test_ops_before_configure_are_a_clear_error():
             cls().allreduce([torch.ones(1)])
 
 
-def test_gloo_avg_is_rejected_without_breaking_the_group(store):
-    group = ProcessGroupGloo(timeout=timedelta(seconds=5))
+@pytest.mark.parametrize("cls", GROUP_TYPES, ids=lambda c: c.__name__)
+def test_an_op_that_cannot_be_issued_is_a_clear_error_and_leaves_the_group_healthy(cls, store):
+    groups = [cls(timeout=timedelta(seconds=5)) for _ in range(2)]
     try:
-        group.configure(addr(store, "avg"), "a", 0, 1)
-        with pytest.raises(ProcessGroupError, match="could not be issued"):
-            group.allreduce([torch.ones(2)], ReduceOp.AVG).wait()
-        assert group.errored() is None
+        run_ranks(lambda r: groups[r].configure(addr(store, "bad-op"), "a", r, 2), [0, 1])
+
+        def step(rank: int) -> torch.Tensor:
+            with pytest.raises(ProcessGroupError, match="could not be issued"):
+                groups[rank].allgather([[torch.ones(2)]], [torch.ones(2)]).wait()  # needs 2 outputs
+            assert groups[rank].errored() is None
+            t = torch.ones(2)
+            groups[rank].allreduce([t], ReduceOp.SUM).wait()
+            return t
+
+        assert all(torch.equal(t, torch.full((2,), 2.0)) for t in run_ranks(step, [0, 1]))
+    finally:
+        for group in groups:
+            group.shutdown()
+
+
+def test_baby_children_can_also_be_spawned_from_scratch(store):
+    group = ProcessGroupBabyGloo(timeout=timedelta(seconds=5), start_method="spawn")
+    try:
+        group.configure(addr(store, "spawned"), "a", 0, 1)
+        t = torch.ones(2)
+        group.allreduce([t], ReduceOp.SUM).wait()
+        assert torch.equal(t, torch.ones(2))
     finally:
         group.shutdown()
+    with pytest.raises(ConfigError, match="start_method"):
+        ProcessGroupBabyGloo(start_method="fork")
 
 
 # ---------------------------------------------------------------- torch integration
@@ -263,7 +290,9 @@ def test_torch_apis_accept_our_group_and_functional_collectives_resolve_it(store
             group.shutdown()
 
 
-def test_ddp_runs_over_our_group(store):
+def test_ddp_over_dummy_group_with_comm_hook_averages_through_our_group(store):
+    """torch's C++ reads a c10d group's size once, at construction, so DDP takes a ProcessGroupDummy
+    (size 1, fixed) and a comm hook sends the buckets over the reconfigurable group (as ft_core.ddp does)."""
     groups = [ProcessGroupGloo(timeout=timedelta(seconds=10)) for _ in range(2)]
     try:
         run_ranks(lambda r: groups[r].configure(addr(store, "ddp"), "a", r, 2), [0, 1])
@@ -271,12 +300,19 @@ def test_ddp_runs_over_our_group(store):
         def train(rank: int) -> torch.Tensor:
             torch.manual_seed(0)
             model = torch.nn.Linear(4, 1)
-            ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=groups[rank])
+            ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=ProcessGroupDummy())
+
+            def hook(pg, bucket):  # (no annotations: DDP checks them literally)
+                grads = bucket.buffer()
+                fut = pg.allreduce([grads], ReduceOp.SUM).get_future()
+                return fut.then(lambda f: f.value()[0] / pg.size())
+
+            ddp.register_comm_hook(groups[rank], hook)
             ddp(torch.full((2, 4), rank + 1.0)).sum().backward()
             return model.weight.grad.clone()
 
         g0, g1 = run_ranks(train, [0, 1])
-        # The mean of the two ranks' gradients (each sum over 2 rows of constant inputs).
+        # The mean of the two ranks' gradients: (2*1 + 2*2) / 2 per weight.
         assert torch.allclose(g0, g1) and torch.allclose(g0, torch.full((1, 4), 3.0))
     finally:
         for group in groups:
@@ -315,7 +351,8 @@ def test_error_swallowing_wrapper_turns_ops_into_noops_until_configure(store):
     groups = [ErrorSwallowingProcessGroupWrapper(f) for f in fakes]
     try:
         run_ranks(lambda r: groups[r].configure(addr(store, "swallow/1"), "a", r, 2), [0, 1])
-        fakes[0].report_future_error(ProcessGroupError("peer lost"))
+        for fake in fakes:  # both see the failure, as both would when a collective breaks
+            fake.report_future_error(ProcessGroupError("peer lost"))
 
         def step(rank: int) -> tuple:
             t = torch.ones(2)

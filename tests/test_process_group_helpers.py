@@ -6,8 +6,9 @@ from __future__ import annotations
 import gc
 import os
 import threading
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch._C._distributed_c10d import (
@@ -18,11 +19,15 @@ from torch._C._distributed_c10d import (
     BarrierOptions,
     BroadcastOptions,
     PrefixStore,
-    ProcessGroup as C10dGroup,
-    ProcessGroupGloo as TorchGloo,
     ReduceOp,
     ReduceScatterOptions,
     TCPStore,
+)
+from torch._C._distributed_c10d import (
+    ProcessGroup as C10dGroup,
+)
+from torch._C._distributed_c10d import (
+    ProcessGroupGloo as TorchGloo,
 )
 
 
@@ -81,6 +86,8 @@ def collective_call(name: str, dtype: torch.dtype, rank: int, world: int, seed: 
     x = _data((n,), dtype, seed * 31 + rank)
     if name == "allreduce_sum":
         return ([x],), _opts(AllreduceOptions, ReduceOp.SUM), [x]
+    if name == "allreduce_avg":
+        return ([x],), _opts(AllreduceOptions, ReduceOp.AVG), [x]
     if name == "allreduce_max":
         return ([x],), _opts(AllreduceOptions, ReduceOp.MAX), [x]
     if name == "allreduce_coalesced":
@@ -114,14 +121,14 @@ def collective_call(name: str, dtype: torch.dtype, rank: int, world: int, seed: 
     raise AssertionError(name)
 
 
-COLLECTIVE_CASES = ("allreduce_sum", "allreduce_max", "allreduce_coalesced", "allgather",
+COLLECTIVE_CASES = ("allreduce_sum", "allreduce_avg", "allreduce_max", "allreduce_coalesced", "allgather",
                     "allgather_into_tensor_coalesced", "alltoall_base", "broadcast", "reduce_scatter",
                     "reduce_scatter_tensor_coalesced", "barrier", "send_recv")
 DTYPES = (torch.float32, torch.bfloat16, torch.int64)
 
 
 def issue(group: Any, name: str, args: tuple, opts: Any) -> Any:
-    method = {"allreduce_sum": "allreduce", "allreduce_max": "allreduce"}.get(name, name)
+    method = {"allreduce_sum": "allreduce", "allreduce_avg": "allreduce", "allreduce_max": "allreduce"}.get(name, name)
     if method == "barrier":
         return group.barrier(opts)
     return getattr(group, method)(*args, opts)
@@ -149,7 +156,7 @@ def run_case(group: Any, name: str, dtype: torch.dtype, rank: int, world: int, s
 
 def table_cases(world: int) -> list[tuple[str, torch.dtype]]:
     return [(name, dtype) for name in COLLECTIVE_CASES for dtype in DTYPES
-            if not (name == "send_recv" and world == 1)]
+            if not (name == "send_recv" and world == 1) and not (name == "allreduce_avg" and not dtype.is_floating_point)]
 
 
 def resources() -> tuple[int, int, frozenset[str]]:

@@ -31,7 +31,8 @@ def plans(steps: list[int], group_rank: int, init_sync: bool = True) -> list[Quo
 HEAL_VECTORS = [
     pytest.param([0, 1, 0, 1, 0], 0, True, {0: 1, 2: 3, 4: 1}, {1: [0, 4], 3: [2]}, id="design-vector-rank0"),
     pytest.param([0, 1, 0, 1, 0], 1, True, {0: 3, 2: 1, 4: 3}, {1: [2], 3: [0, 4]}, id="design-vector-rank1"),
-    pytest.param([0, 1, 0, 1, 0], 1, False, {0: 3, 2: 1, 4: 3}, {1: [2], 3: [0, 4]}, id="no-init-sync-same-when-max-step-positive"),
+    pytest.param([0, 1, 0, 1, 0], 1, False, {0: 3, 2: 1, 4: 3}, {1: [2], 3: [0, 4]},
+                 id="no-init-sync-same-when-max-step-positive"),
     pytest.param([0, 0], 0, True, {1: 0}, {0: [1]}, id="two-at-step-0-init-sync-rank0"),
     pytest.param([0, 0], 1, True, {1: 0}, {0: [1]}, id="two-at-step-0-init-sync-rank1-same-source"),
     pytest.param([0, 0], 0, False, {}, {}, id="two-at-step-0-no-init-sync-nobody-heals"),

@@ -56,6 +56,8 @@ class FaultTolerantOptimizer(AcceleratedOptimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> None:
         if self.gradient_state.sync_gradients and not self._commit_gate():
             self._is_overflow = True
+            if self.scaler is not None:  # forget an unscale_ (gradient clipping) of this skipped step
+                self.scaler._per_optimizer_states.pop(id(self.optimizer), None)
             return
         if self.scaler is None:
             self._is_overflow = False  # the scaler path sets it itself

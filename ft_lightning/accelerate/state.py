@@ -8,6 +8,7 @@ numpy arrays, numbers, str, bool, None, nested in dicts, lists and tuples. Objec
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -15,28 +16,31 @@ import torch
 
 from ft_core.errors import ConfigError
 
-_SCALARS = (bool, int, float, str, type(None))
+# What ft_core.checkpointing.serialization accepts (exact types, as it checks them).
+_SCALARS = (bool, int, float, str, bytes, bytearray, type(None))
+_KEYS = (str, int, float, bool, type(None))
 
 
 def transport_problem(value: Any, path: str = "state") -> str | None:
     """Where `value` holds something a healing transfer cannot carry, or None if it is all plain data."""
-    if isinstance(value, (torch.Tensor, np.ndarray, np.generic, *_SCALARS)):
+    kind = type(value)
+    if kind in _SCALARS or isinstance(value, (torch.Tensor, np.generic)) or kind is np.ndarray:
         return None
-    if isinstance(value, dict):
+    if kind is dict or kind is OrderedDict:
         for key, item in value.items():
-            if not isinstance(key, (str, int)) or isinstance(key, bool):
-                return f"{path} has a key {key!r} of type {type(key).__name__} (keys must be str or int)"
+            if type(key) not in _KEYS:
+                return f"{path} has a key {key!r} of type {type(key).__name__} (keys must be str, int, float, bool)"
             problem = transport_problem(item, f"{path}[{key!r}]")
             if problem:
                 return problem
         return None
-    if isinstance(value, (list, tuple)):
+    if kind is list or kind is tuple:
         for index, item in enumerate(value):
             problem = transport_problem(item, f"{path}[{index}]")
             if problem:
                 return problem
         return None
-    return f"{path} is a {type(value).__module__}.{type(value).__qualname__}"
+    return f"{path} is a {kind.__module__}.{kind.__qualname__}"
 
 
 def check_transport_safe(value: Any, what: str) -> None:

@@ -301,7 +301,8 @@ def plot_report(report: Mapping[str, Any], path: str) -> None:
     ax_time.sharex(ax_part)
     for ax in (ax_loss, ax_part, ax_time):
         ax.grid(alpha=0.3)
-        ax.legend(loc="upper right", fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="upper right", fontsize=8)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

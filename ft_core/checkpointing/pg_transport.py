@@ -1,0 +1,210 @@
+"""PGTransport: stream a state dict over a (rebuilt) c10d process group, optionally into existing tensors.
+
+Per transfer, in this order on both sides (the order matters for NCCL, which ignores tags):
+    tag 1: the header frame length (one int64)
+    tag 2: the header frame (the same validated JSON header as the HTTP transport, never pickle)
+    tag 4+i: the raw bytes of blob i (tensor storages, numpy arrays, bytes), skipping empty blobs
+    tag 3: one crc32 per blob (-1 where the sender had the bytes only on a device)
+A receiver that finds the wrong step still drains the blobs, so the group stays usable and the
+sender does not hang, then raises a CheckpointError.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from datetime import timedelta
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ft_core.checkpointing import serialization as ser
+from ft_core.checkpointing.transport import CheckpointTransport, seconds
+from ft_core.errors import CheckpointError, FTTimeoutError
+
+logger = logging.getLogger(__name__)
+
+TAG_LENGTH, TAG_HEADER, TAG_CRC, TAG_BLOB = 1, 2, 3, 4
+NO_CRC = -1
+
+
+def _host_tensor(view: memoryview) -> torch.Tensor:
+    """A uint8 tensor over host bytes, zero-copy when the memory is writable."""
+    arr = np.frombuffer(view, dtype=np.uint8)
+    return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+
+
+def _buffer_tensor(buffer: Any) -> torch.Tensor:
+    """A uint8 tensor view of a receive buffer made by Plan.allocate (tensor, numpy array or bytearray)."""
+    if isinstance(buffer, torch.Tensor):
+        return buffer
+    if isinstance(buffer, np.ndarray):
+        return torch.from_numpy(buffer)
+    return torch.frombuffer(buffer, dtype=torch.uint8)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for dim in reversed(shape):
+        strides.append(acc)
+        acc *= max(dim, 1)
+    return tuple(reversed(strides))
+
+
+class PGTransport(CheckpointTransport[Any]):
+    """Sends and receives checkpoints over `pg` (send/recv with tags); see the module doc for the wire order."""
+
+    def __init__(self, pg: Any, timeout: timedelta | float = timedelta(seconds=60),
+                 device: torch.device | str = torch.device("cpu"),
+                 state_dict: Callable[[], Any] | None = None) -> None:
+        self._pg = pg
+        self.timeout_s = seconds(timeout)
+        self._device = torch.device(device)
+        self._state_dict = state_dict
+
+    def metadata(self) -> str:
+        return "<n/a>"  # peers reach us through the process group, by rank
+
+    def disallow_checkpoint(self) -> None:
+        """Nothing is served between calls: send_checkpoint returns only once the bytes are sent."""
+
+    # ------------------------------------------------------------ helpers
+
+    def _wait(self, work: Any, deadline: float, what: str, peer: int) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise FTTimeoutError(f"checkpoint {what} with rank {peer} did not finish within the timeout; "
+                                 "the peer may be dead or slow: raise timeout= or retry at the next quorum")
+        try:
+            work.wait(timedelta(seconds=max(left, 0.001)))
+        except RuntimeError as exc:
+            if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                raise FTTimeoutError(f"checkpoint {what} with rank {peer} timed out after {left:.3g}s: {exc}; "
+                                     "raise timeout= or check the peer") from exc
+            raise CheckpointError(f"checkpoint {what} with rank {peer} failed: {exc}; the process group is "
+                                  "broken, retry after it is reconfigured at the next quorum") from exc
+
+    def _comm(self, t: torch.Tensor) -> torch.Tensor:
+        return t if t.device == self._device else t.to(self._device)
+
+    # ------------------------------------------------------------ sending
+
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
+        """Stream `state_dict` (as step `step`) to every rank in `dst_ranks`; returns when all bytes are sent."""
+        deadline = time.monotonic() + seconds(timeout)
+        encoded = ser.encode(state_dict, step=step, chunk_bytes=1 << 40)
+        frame = encoded.header_frame()
+        length = self._comm(torch.tensor([len(frame)], dtype=torch.int64))
+        header = self._comm(torch.frombuffer(bytearray(frame), dtype=torch.uint8))
+        blobs: list[tuple[int, torch.Tensor]] = []
+        for index, blob in enumerate(encoded.blobs):
+            if blob.nbytes:
+                raw = blob.tensor if blob.tensor is not None else _host_tensor(blob.host_view())
+                blobs.append((index, self._comm(raw)))
+        works: list[tuple[Any, int, str]] = []
+        for dst in dst_ranks:
+            works.append((self._pg.send([length], dst, TAG_LENGTH), dst, "header length"))
+            works.append((self._pg.send([header], dst, TAG_HEADER), dst, "header"))
+            works.extend((self._pg.send([t], dst, TAG_BLOB + i), dst, f"blob {i}") for i, t in blobs)
+        crcs = torch.full((len(encoded.blobs),), NO_CRC, dtype=torch.int64)
+        for index, t in blobs:  # checksums run while the sends are in flight
+            if t.device.type == "cpu":
+                crcs[index] = zlib.crc32(memoryview(t.numpy()))
+        crcs = self._comm(crcs)
+        works.extend((self._pg.send([crcs], dst, TAG_CRC), dst, "checksums") for dst in dst_ranks)
+        for work, dst, what in works:
+            self._wait(work, deadline, f"send of step {step} ({what})", dst)
+        logger.info("checkpoint sent over process group", extra={"step": step, "dst_ranks": list(dst_ranks),
+                                                                  "bytes": encoded.payload_nbytes})
+
+    # ------------------------------------------------------------ receiving
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
+        """Receive step `step` from `src_rank`. Tensors land on the CPU, or in place in `state_dict()`'s tensors."""
+        deadline = time.monotonic() + seconds(timeout)
+        what = f"receive of step {step}"
+        length = self._comm(torch.zeros(1, dtype=torch.int64))
+        self._wait(self._pg.recv([length], src_rank, TAG_LENGTH), deadline, what + " (header length)", src_rank)
+        nbytes = int(length.item())
+        if not ser.HEADER_PREFIX_BYTES + ser.CRC.size <= nbytes <= ser.HEADER_PREFIX_BYTES + ser.MAX_HEADER_BYTES \
+                + ser.CRC.size:
+            raise CheckpointError(f"checkpoint header from rank {src_rank} claims {nbytes} bytes: corrupt stream "
+                                  "or a peer running another protocol")
+        frame = self._comm(torch.empty(nbytes, dtype=torch.uint8))
+        self._wait(self._pg.recv([frame], src_rank, TAG_HEADER), deadline, what + " (header)", src_rank)
+        plan = ser.parse_header_frame(memoryview(frame.cpu().numpy()))
+        right_step = plan.step == step
+        overrides, preset, copies = self._in_place_targets(plan) if right_step else ({}, {}, {})
+        buffers = plan.allocate({b: t for b, t in preset.items() if t.device.type == "cpu"})
+        comm: dict[int, torch.Tensor] = {}
+        works = []
+        for index, size in enumerate(plan.blob_sizes):
+            if size == 0:
+                continue
+            target = preset.get(index)
+            if target is None:
+                target = _buffer_tensor(buffers[index])
+            comm[index] = self._comm(torch.empty(size, dtype=torch.uint8)) if target.device != self._device \
+                else target
+            works.append((index, self._pg.recv([comm[index]], src_rank, TAG_BLOB + index)))
+        crcs = self._comm(torch.zeros(len(plan.blob_sizes), dtype=torch.int64))
+        crc_work = self._pg.recv([crcs], src_rank, TAG_CRC)
+        actual: dict[int, int] = {}
+        for index, work in works:
+            self._wait(work, deadline, f"{what} (blob {index})", src_rank)
+            target = preset.get(index)
+            if target is None:
+                target = _buffer_tensor(buffers[index])
+            if comm[index] is not target:
+                target.copy_(comm[index])
+            if target.device.type == "cpu":
+                actual[index] = zlib.crc32(memoryview(target.numpy()))
+        self._wait(crc_work, deadline, what + " (checksums)", src_rank)
+        if not right_step:
+            raise CheckpointError(f"rank {src_rank} sent step {plan.step} but step {step} was expected; the quorum "
+                                  "and the source disagree, retry at the next quorum")
+        expected = crcs.cpu().tolist()
+        for index, value in actual.items():
+            if expected[index] != NO_CRC and expected[index] != value:
+                raise CheckpointError(f"blob {index} of step {step} from rank {src_rank} fails its checksum "
+                                      f"(crc32 {value:#010x} != {expected[index]:#010x}); fetch it again")
+        with torch.no_grad():
+            for index, t in copies.items():
+                t.copy_(ser.make_tensor(plan.tensors[index], buffers))
+                overrides[index] = t
+        return plan.build(buffers, overrides)
+
+    def _in_place_targets(self, plan: ser.Plan) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor],
+                                                          dict[int, torch.Tensor]]:
+        """Match incoming tensors to local ones by key path (same dtype and shape).
+
+        Returns (tensors received directly into local memory, blob -> byte view of that memory,
+        tensors to copy into local ones after receiving).
+        """
+        if self._state_dict is None:
+            return {}, {}, {}
+        local: dict[tuple[Any, ...], torch.Tensor] = {}
+        ser.walk_tensors(self._state_dict(), lambda path, t: local.setdefault(path, t))
+        users: dict[int, int] = {}
+        for spec in plan.tensors:
+            users[spec.blob] = users.get(spec.blob, 0) + 1
+        overrides, preset, copies = {}, {}, {}
+        for index, path in plan.tensor_paths().items():
+            spec, t = plan.tensors[index], local.get(path)
+            if t is None or t.dtype != spec.dtype or tuple(t.shape) != spec.shape or spec.blob < 0:
+                continue
+            nbytes = t.numel() * t.element_size()
+            direct = (users[spec.blob] == 1 and t.is_contiguous() and spec.offset == 0
+                      and spec.stride == _contiguous_strides(spec.shape) and plan.blob_sizes[spec.blob] == nbytes)
+            if direct:
+                preset[spec.blob] = ser.storage_span(t.untyped_storage(), t.storage_offset() * t.element_size(),
+                                                     nbytes)
+                overrides[index] = t
+            else:
+                copies[index] = t
+        return overrides, preset, copies
+
+    def shutdown(self, wait: bool = True) -> None:
+        """The process group belongs to the caller; nothing to release here."""

@@ -1,0 +1,156 @@
+"""`Trainer(strategy="fault_tolerant_ddp")`: real Trainer processes on CPU (one per group rank), a
+loopback lighthouse in this process, replica groups configured from the environment only.
+
+The training process is tests/_lightning_worker.py; it records progress, events and weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO_ROOT, child_env
+
+WORKER = os.path.join(REPO_ROOT, "tests", "_lightning_worker.py")
+
+
+@pytest.fixture
+def lighthouse():
+    from ft_core.lighthouse import LighthouseServer
+
+    # min_replicas=2: a step needs both groups, so a killed group's peer waits for its restart
+    with LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=2_000, heartbeat_timeout_ms=2_000,
+                          http_bind=None) as server:
+        yield server
+
+
+def start_group(processes, lighthouse, out: Path, group: int, *args: str, groups: int = 2) -> subprocess.Popen:
+    env = child_env(FT_LIGHTHOUSE=lighthouse.address(), REPLICA_GROUP_ID=str(group),
+                    NUM_REPLICA_GROUPS=str(groups), FT_TIMEOUT_SEC="30", FT_QUORUM_TIMEOUT_SEC="90",
+                    FT_CONNECT_TIMEOUT_SEC="30", PYTHONWARNINGS="ignore")
+    log = open(out / f"group{group}.log", "ab")
+    try:
+        return processes.python(WORKER, "--out", str(out), "--group", str(group), *args, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+    finally:
+        log.close()
+
+
+def wait_all(procs: list[subprocess.Popen], out: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"replica group did not finish within {timeout}s; logs:\n{logs(out)}")
+    bad = [p.returncode for p in procs if p.returncode != 0]
+    assert not bad, f"exit codes {bad}; logs:\n{logs(out)}"
+
+
+def logs(out: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in sorted(out.glob("group*.log")))
+
+
+def summaries(out: Path) -> dict[tuple[int, int], dict]:
+    return {(s["group"], s["rank"]): s for s in (json.loads(p.read_text()) for p in out.glob("summary_*.json"))}
+
+
+def assert_identical_weights(out: Path, expected: int) -> None:
+    files = sorted(out.glob("weights_*.pt"))
+    assert len(files) == expected, [f.name for f in files]
+    reference = torch.load(files[0])
+    for f in files[1:]:
+        other = torch.load(f)
+        for name, tensor in reference.items():
+            assert torch.equal(tensor, other[name]), f"{f.name}: {name} differs from {files[0].name}"
+
+
+@pytest.mark.timeout(150)
+def test_two_groups_accumulate_gate_and_heal(processes, lighthouse, tmp_path):
+    """2 groups x 1 device, accumulate_grad_batches=4: one quorum and one cross-group allreduce per
+    optimizer step; a step group 1 fails to commit changes nothing there; it heals at the next step
+    and both end with the same weights, global_step == committed steps, sharded training data."""
+    args = ("--accumulate", "4", "--epochs", "3", "--samples", "64")
+    procs = [start_group(processes, lighthouse, tmp_path, 0, *args),
+             start_group(processes, lighthouse, tmp_path, 1, *args, "--fail-at-step", "2")]
+    wait_all(procs, tmp_path, timeout=140)
+
+    runs = summaries(tmp_path)
+    assert set(runs) == {(0, 0), (1, 0)}
+    assert_identical_weights(tmp_path, 2)
+    steps = 3 * (64 // 2 // 4) // 4  # epochs * batches per group per epoch / accumulation = 6
+    for (group, _), run in runs.items():
+        assert run["global_step"] == run["manager_step"] == steps, run
+        assert run["epoch"] == 3
+        assert run["allreduces"] == steps, run  # one cross-group allreduce per optimizer step (one chunk)
+        assert run["events"]["quorum"] == steps, run  # one quorum per optimizer step, not per micro-batch
+        assert run["events"]["commit"] == steps, run
+        assert run["lr"] == pytest.approx(0.05 * 0.5 ** (steps // 2))  # StepLR stepped on committed steps only
+        assert run["samplers"] == {"train": [2, group], "val": [1, 0]}
+        assert run["root_dir"].endswith(f"replica_group_{group}")
+    assert runs[(0, 0)]["events"].get("heal", 0) == 0
+    assert runs[(1, 0)]["events"]["heal"] == 2  # at step 0 (init sync) and after its failed step
+
+    failed = runs[(1, 0)]["failed_step"]
+    assert failed is not None and "before" in failed, failed
+    before, after = failed["before"], failed["after"]
+    assert before["global_step"] == after["global_step"] == 2
+    for key in ("lr", "scheduler_epoch", "optimizer", "weights", "batches_stepped"):
+        assert before[key] == after[key], key
+
+
+@pytest.mark.timeout(150)
+def test_two_groups_two_devices_identical_weights(processes, lighthouse, tmp_path):
+    """2 groups x 2 devices (gloo inside each group): every rank of every group ends identical."""
+    args = ("--devices", "2", "--epochs", "1", "--samples", "32")
+    procs = [start_group(processes, lighthouse, tmp_path, g, *args) for g in (0, 1)]
+    wait_all(procs, tmp_path, timeout=140)
+
+    runs = summaries(tmp_path)
+    assert set(runs) == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert_identical_weights(tmp_path, 4)
+    for (group, rank), run in runs.items():
+        assert run["world_size"] == 2  # Lightning's world is the group
+        assert run["global_step"] == run["manager_step"] == 2
+        assert run["samplers"] == {"train": [4, group * 2 + rank], "val": [2, rank]}
+
+
+@pytest.mark.timeout(170)
+def test_killed_group_resumes_from_checkpoint_and_heals(processes, lighthouse, tmp_path):
+    """Group 1 is SIGKILLed mid-epoch after step 5 and restarted: it resumes from its own last
+    checkpoint (step 4, the Manager's step restored too), heals to the survivor's step, continues
+    at the same epoch and batch, and both end identical with global_step == committed steps."""
+    args = ("--epochs", "2", "--samples", "64", "--sleep", "0.02", "--checkpoint")
+    survivor = start_group(processes, lighthouse, tmp_path, 0, *args)
+    victim = start_group(processes, lighthouse, tmp_path, 1, *args, "--kill-at-step", "5")
+    assert victim.wait(timeout=120) == -9, logs(tmp_path)
+    restarted = start_group(processes, lighthouse, tmp_path, 1, *args)
+    wait_all([survivor, restarted], tmp_path, timeout=140)
+
+    runs = summaries(tmp_path)
+    assert_identical_weights(tmp_path, 2)
+    steps = 2 * (64 // 2 // 4)
+    for run in runs.values():
+        assert run["global_step"] == run["manager_step"] == steps and run["epoch"] == 2, run
+    assert runs[(1, 0)]["resumed_manager_step"] == 4  # from its checkpoint, before healing
+    assert runs[(1, 0)]["events"]["heal"] == 1
+
+    progress = [json.loads(line) for line in (tmp_path / "progress_g1_r0.jsonl").read_text().splitlines()]
+    restarted_pid = progress[-1]["pid"]
+    after_restart = [p for p in progress if p["pid"] == restarted_pid]
+    # first step of the restarted process: healed to step 6 at epoch 0, batch 5, like the survivor
+    assert (after_restart[0]["global_step"], after_restart[0]["epoch"], after_restart[0]["batch_idx"]) == (6, 0, 5)
+    survivor_progress = [json.loads(line) for line in (tmp_path / "progress_g0_r0.jsonl").read_text().splitlines()]
+    assert [(p["global_step"], p["epoch"], p["batch_idx"]) for p in survivor_progress][-len(after_restart):] == \
+        [(p["global_step"], p["epoch"], p["batch_idx"]) for p in after_restart]
+    for group in (0, 1):  # checkpoints per group, no collisions
+        assert (tmp_path / "ckpts" / f"replica_group_{group}" / "last.ckpt").exists()
+        saved = torch.load(tmp_path / "ckpts" / f"replica_group_{group}" / "last.ckpt", weights_only=False)
+        assert saved["ft_manager"]["step"] == saved["global_step"]
