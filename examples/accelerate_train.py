@@ -131,9 +131,9 @@ def main() -> None:
                 accelerator.print(f"group {group}: step not committed (still at step {step})", flush=True)
             else:
                 progress.samples += samples_per_group_step * accelerator.ft_manager.num_participants()
-            elif step % args.log_every == 0 or step == args.steps:
-                accelerator.print(f"group {group}: step {step} loss {loss.item():.4f} "
-                                  f"lr {scheduler.get_last_lr()[0]:.5f}", flush=True)
+                if step % args.log_every == 0 or step == args.steps:
+                    accelerator.print(f"group {group}: step {step} loss {loss.item():.4f} "
+                                      f"lr {scheduler.get_last_lr()[0]:.5f}", flush=True)
             if args.step_sleep:
                 time.sleep(args.step_sleep)
             if step >= args.steps:

@@ -115,7 +115,6 @@ class _CanonicalReducer:
                    grads: list[torch.Tensor]) -> torch.futures.Future:
         """Hand over one DDP bucket's (group-averaged) gradients; the future completes with `buffer`
         holding the cross-group average once every chunk it touches is reduced."""
-        ready: list[_Chunk] = []
         with self._lock:
             try:
                 chunk_ids = [self._where[id(p)] for p in params]
@@ -130,7 +129,6 @@ class _CanonicalReducer:
                 first.filled = first.numel
                 first.waiters.append((state, []))
                 state.remaining = 1
-                ready.append(first)
             else:
                 self.copies += 1
                 per_chunk: dict[int, list[tuple[torch.Tensor, int, int]]] = {}
@@ -146,8 +144,6 @@ class _CanonicalReducer:
                 for ci, views in per_chunk.items():
                     chunk = self._chunks[ci]
                     chunk.waiters.append((state, views))
-                    if chunk.filled == chunk.numel:
-                        ready.append(chunk)
             launch = []
             while self._next < len(self._chunks) and self._chunks[self._next].filled == self._chunks[self._next].numel:
                 chunk = self._chunks[self._next]

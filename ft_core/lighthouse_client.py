@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 
@@ -124,9 +125,8 @@ class LighthouseClient:
                timeout: timedelta | float) -> Any:
         """One call with failover across addresses, all within `timeout`."""
         timeout_s = seconds(timeout)
-        start = time.monotonic()
-        deadline = start + timeout_s
-        connect_deadline = min(deadline, start + self._connect_timeout_s)
+        deadline = time.monotonic() + timeout_s
+        first_failure: float | None = None  # connect_timeout counts from the first failed connection
         delays = backoff_delays(initial=0.05, cap=1.0, jitter=0.05)
         last_problem = "no attempt made"
         while True:
@@ -138,6 +138,7 @@ class LighthouseClient:
                                          f"is running there, or raise the timeout")
                 if not self._connected(addr, min(CONNECT_ATTEMPT_S, deadline - now)):
                     last_problem = f"could not connect to {addr}"
+                    first_failure = first_failure or now
                     continue
                 try:
                     response = call(invoke(ft_pb2_grpc.LighthouseServiceStub(self._channel(addr))), request,
@@ -148,11 +149,12 @@ class LighthouseClient:
                         raise
                     self._reset(addr)
                     last_problem = str(exc)
+                    first_failure = first_failure or time.monotonic()
                     continue
                 self._preferred = self._addrs.index(addr)
                 return response
             now = time.monotonic()
-            if now >= connect_deadline and now < deadline:
+            if first_failure is not None and now - first_failure >= self._connect_timeout_s and now < deadline:
                 raise RPCError(f"LighthouseService.{name}: no lighthouse reachable at {', '.join(self._addrs)} "
                                f"within connect_timeout {self._connect_timeout_s:.3g}s ({last_problem}); start one "
                                f"(`ftl lighthouse`) or fix FT_LIGHTHOUSE", peer=",".join(self._addrs),
@@ -173,7 +175,7 @@ class LighthouseClient:
                     ft_pb2.LighthouseHeartbeatRequest(replica_id=replica_id), timeout)
 
     def start_heartbeat_stream(self, replica_id: str,
-                               interval: timedelta = timedelta(milliseconds=100)) -> "HeartbeatStreamHandle":
+                               interval: timedelta = timedelta(milliseconds=100)) -> HeartbeatStreamHandle:
         """Keep a HeartbeatStream open from a daemon thread until `.stop()` (or `close()`)."""
         if not replica_id:
             raise ConfigError("start_heartbeat_stream: replica_id must not be empty")
@@ -196,7 +198,7 @@ class LighthouseClient:
         for channel in channels.values():
             channel.close()
 
-    def __enter__(self) -> "LighthouseClient":
+    def __enter__(self) -> LighthouseClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -317,7 +319,7 @@ class HeartbeatStreamHandle:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(seconds(timeout))
 
-    def __enter__(self) -> "HeartbeatStreamHandle":
+    def __enter__(self) -> HeartbeatStreamHandle:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ft_core.errors import ConfigError
 from ft_core.proto import ft_pb2
@@ -35,15 +36,13 @@ class LighthouseConfig:
     quorum_tick_ms: int = 100
     heartbeat_timeout_ms: int = 5_000
     token: str | None = field(default=None, repr=False)
-    max_workers: int = 1024
 
     def __post_init__(self) -> None:
         checks = [(self.min_replicas >= 1, f"min_replicas must be >= 1, got {self.min_replicas}"),
                   (self.join_timeout_ms >= 0, f"join_timeout_ms must be >= 0, got {self.join_timeout_ms}"),
                   (self.quorum_tick_ms > 0, f"quorum_tick_ms must be > 0, got {self.quorum_tick_ms}"),
                   (self.heartbeat_timeout_ms > 0,
-                   f"heartbeat_timeout_ms must be > 0, got {self.heartbeat_timeout_ms}"),
-                  (self.max_workers >= 8, f"max_workers must be >= 8, got {self.max_workers}")]
+                   f"heartbeat_timeout_ms must be > 0, got {self.heartbeat_timeout_ms}")]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(f"lighthouse: {message}")
@@ -56,7 +55,7 @@ class LighthouseConfig:
 class Issued:
     """An issued quorum and its response, serialized once for all its participants."""
 
-    __slots__ = ("quorum", "_lock", "_response")
+    __slots__ = ("_lock", "_response", "quorum")
 
     def __init__(self, quorum: Quorum) -> None:
         self.quorum = quorum
@@ -73,7 +72,7 @@ class Issued:
 class Waiter:
     """One in-flight Quorum call; `wake` is called (under the core's lock) once it has an answer or must end."""
 
-    __slots__ = ("member", "issued", "wake")
+    __slots__ = ("issued", "member", "wake")
 
     def __init__(self, member: QuorumMember, wake: Callable[[], None]) -> None:
         self.member = member

@@ -95,7 +95,7 @@ def kill_replica(core: Any, replica_id: str, token: str | None, timeout_s: float
 
 class _Handler(BaseHTTPRequestHandler):
     server_version = "ftl-lighthouse"
-    server: "_Server"
+    server: _Server
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("http %s: " + format, self.client_address[0], *args)

@@ -194,6 +194,7 @@ class Manager:
         self._participating_world_size = 0
         self._vote_world_size = 0
         self._quorum_future: concurrent.futures.Future | None = None
+        self._quorum_timeout_s = cfg.quorum_timeout.total_seconds()
         self._closed = False
         self._server: Any = None
         self._client: Any = None
@@ -351,7 +352,7 @@ class Manager:
         if fut is None:
             raise FTError(f"{self._prefix()} wait_quorum before start_quorum: call start_quorum() first "
                           f"(OptimizerWrapper.zero_grad does)")
-        bound = getattr(self, "_quorum_timeout_s", 60.0) + 3 * self.config.timeout.total_seconds() + _MARGIN_S
+        bound = self._quorum_timeout_s + 3 * self.config.timeout.total_seconds() + _MARGIN_S
         try:
             fut.result(timeout=bound)
         except concurrent.futures.TimeoutError:

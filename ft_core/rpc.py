@@ -7,15 +7,19 @@ surface as `FTTimeoutError` (a TimeoutError) or a typed `RPCError` naming peer, 
 from __future__ import annotations
 
 import hmac
+import os
 import random
+import ssl
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
 import grpc
 
-from ft_core.errors import AuthError, FTTimeoutError, RPCError
+from ft_core.env import resolve_str
+from ft_core.errors import AuthError, ConfigError, FTTimeoutError, RPCError
 
 TOKEN_METADATA_KEY = "authorization"
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # control-plane messages are small; bigger ones are rejected
@@ -136,13 +140,15 @@ def call(method: Callable, request: Any, *, peer: str, name: str, timeout: timed
         raise map_rpc_error(err, peer=peer, call=name, timeout_s=timeout_s) from None
 
 
-def connect(address: str, connect_timeout: timedelta | float, *, call_name: str = "connect") -> grpc.Channel:
+def connect(address: str, connect_timeout: timedelta | float, *, call_name: str = "connect",
+            tls: "TLSConfig | None" = None) -> grpc.Channel:
     """Open a channel and wait until it is ready, retrying with capped backoff until connect_timeout."""
     target = normalize_address(address)
     deadline = time.monotonic() + seconds(connect_timeout)
     delays = backoff_delays()
+    tls = tls_config() if tls is None else tls
     while True:
-        channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        channel = open_channel(target, CHANNEL_OPTIONS, tls=tls)
         remaining = deadline - time.monotonic()
         try:
             grpc.channel_ready_future(channel).result(timeout=max(min(remaining, 1.0), 0.001))
@@ -153,3 +159,106 @@ def connect(address: str, connect_timeout: timedelta | float, *, call_name: str 
             raise FTTimeoutError(f"{call_name}: could not connect to {target} within {seconds(connect_timeout):.3g}s; "
                                  f"check that the server is running and reachable (connect_timeout)")
         time.sleep(min(next(delays), max(deadline - time.monotonic(), 0)))
+
+
+# --------------------------------------------------------------------------- TLS (optional)
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """Optional TLS for every gRPC and HTTP endpoint: off unless a certificate or a CA is configured.
+
+    A server serves TLS when cert_file and key_file are set. A client uses TLS when ca_file is set
+    (the CA that signed the servers' certificates), or else when cert_file is set (a self-signed
+    certificate shared by the job is its own CA). Certificates must name the address clients dial
+    (e.g. a subjectAltName of IP:10.0.0.5 or DNS:node1).
+    """
+
+    cert_file: str | None = None
+    key_file: str | None = None
+    ca_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ConfigError("TLS needs both a certificate and its private key: set FT_TLS_CERT and FT_TLS_KEY "
+                              f"together (got cert={self.cert_file!r}, key={self.key_file!r})")
+        for what, path in (("certificate (FT_TLS_CERT)", self.cert_file), ("key (FT_TLS_KEY)", self.key_file),
+                           ("CA (FT_TLS_CA)", self.ca_file)):
+            if path and not os.path.isfile(path):
+                raise ConfigError(f"TLS {what} file {path!r} does not exist")
+
+    @property
+    def serves_tls(self) -> bool:
+        return bool(self.cert_file and self.key_file)
+
+    @property
+    def client_roots(self) -> str | None:
+        """The PEM file a client verifies servers against; None when clients use plaintext."""
+        return self.ca_file or self.cert_file or None
+
+    @property
+    def http_scheme(self) -> str:
+        return "https" if self.serves_tls else "http"
+
+
+def tls_config(cert_file: str | None = None, key_file: str | None = None,
+               ca_file: str | None = None) -> TLSConfig:
+    """TLS settings: FT_TLS_CERT / FT_TLS_KEY / FT_TLS_CA override the arguments; all unset means plaintext."""
+    return TLSConfig(resolve_str(cert_file, "FT_TLS_CERT", None), resolve_str(key_file, "FT_TLS_KEY", None),
+                     resolve_str(ca_file, "FT_TLS_CA", None))
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:
+    """gRPC server credentials from a PEM certificate (chain) and its private key."""
+    return grpc.ssl_server_credentials([(_read(key_file), _read(cert_file))])
+
+
+def channel_credentials(ca_file: str) -> grpc.ChannelCredentials:
+    """gRPC channel credentials that trust the PEM CA bundle `ca_file`."""
+    return grpc.ssl_channel_credentials(root_certificates=_read(ca_file))
+
+
+def open_channel(target: str, options: list[tuple[str, Any]] | None = None,
+                 tls: TLSConfig | None = None) -> grpc.Channel:
+    """A gRPC channel to `target`: TLS when the config (default: the FT_TLS_* environment) asks for it."""
+    tls = tls_config() if tls is None else tls
+    opts = CHANNEL_OPTIONS if options is None else options
+    roots = tls.client_roots
+    if roots:
+        return grpc.secure_channel(target, channel_credentials(roots), options=opts)
+    return grpc.insecure_channel(target, options=opts)
+
+
+def add_server_port(server: grpc.Server, address: str, tls: TLSConfig | None = None) -> int:
+    """Bind `address` on `server` (TLS when cert and key are configured); returns the port (0 on failure)."""
+    tls = tls_config() if tls is None else tls
+    if tls.serves_tls:
+        assert tls.cert_file and tls.key_file
+        return server.add_secure_port(address, server_credentials(tls.cert_file, tls.key_file))
+    return server.add_insecure_port(address)
+
+
+def server_ssl_context(tls: TLSConfig | None = None) -> ssl.SSLContext | None:
+    """An ssl context for an HTTP server (None: plaintext). TLS 1.2 or newer."""
+    tls = tls_config() if tls is None else tls
+    if not tls.serves_tls:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(tls.cert_file, tls.key_file)  # type: ignore[arg-type]
+    return context
+
+
+def client_ssl_context(tls: TLSConfig | None = None) -> ssl.SSLContext | None:
+    """An ssl context for an HTTP client that verifies the server (None: plaintext)."""
+    tls = tls_config() if tls is None else tls
+    roots = tls.client_roots
+    if not roots:
+        return None
+    context = ssl.create_default_context(cafile=roots)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context

@@ -32,7 +32,7 @@ def status_urls(addr: str | None) -> list[str]:
             continue
         if item.startswith(("http://", "https://")):
             base = item.rstrip("/")
-            urls.append(base[: -len("/status")] if base.endswith("/status") else base)
+            urls.append(base.removesuffix("/status"))
             continue
         host, sep, port = normalize_address(item).rpartition(":")
         if not sep or not port.isdigit():

@@ -22,6 +22,7 @@ from ft_core import status as status_cli
 from ft_core.errors import AuthError, FTTimeoutError, RPCError
 from ft_core.lighthouse import LighthouseServer
 from ft_core.lighthouse_client import LighthouseClient
+from ft_core.lighthouse_core import LighthouseConfig, LighthouseCore
 from ft_core.types import Quorum, QuorumMember
 
 SECOND = timedelta(seconds=1)
@@ -391,6 +392,32 @@ def test_cli_lighthouse_serves_and_exits_cleanly_on_sigterm(processes) -> None:
     assert status_cli.main(["--lighthouse", http, "--json"]) == 0
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=10) == 0
+
+
+@pytest.mark.timeout(60)
+def test_64_streaming_groups_all_get_their_quorums() -> None:
+    """Open heartbeat streams must not starve the long polls: 64 groups, 3 rounds, one id."""
+    groups = [f"g{i:02d}" for i in range(64)]
+    with LighthouseServer(min_replicas=64, quorum_tick_ms=50, heartbeat_timeout_ms=5_000) as server, \
+            LighthouseClient(server.address()) as client:
+        streams = [client.start_heartbeat_stream(g, interval=timedelta(milliseconds=100)) for g in groups]
+        assert all(s.wait_connected(10) for s in streams)
+        for step in range(3):
+            answers = join_all(client, [QuorumMember(g, step=step) for g in groups], timeout=20)
+            assert {q.quorum_id for q in answers} == {1} and answers[0].replica_ids == groups
+        assert metric(server, "ftl_lighthouse_members") == 64
+
+
+def test_long_expired_heartbeats_are_pruned() -> None:
+    core = LighthouseCore(LighthouseConfig(heartbeat_timeout_ms=10))
+    core.heartbeat("gone")
+    assert [m["replica_id"] for m in core.status()["members"]] == ["gone"]
+    time.sleep(0.05)
+    core.tick()
+    assert core.status()["members"][0]["healthy"] is False, "expired but still shown"
+    time.sleep(0.1)  # past PRUNE_AFTER_TIMEOUTS * heartbeat_timeout
+    core.tick()
+    assert core.status()["members"] == []
 
 
 def test_status_cli_address_forms(lighthouse: LighthouseServer, capsys: pytest.CaptureFixture) -> None:

@@ -6,8 +6,17 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from ft_core.quorum import (MAX_DATA_BYTES, Joined, LighthouseState, QuorumConfig, decide, member_problem,
-                            next_quorum_id, prune_heartbeats, replica_id_problem)
+from ft_core.quorum import (
+    MAX_DATA_BYTES,
+    Joined,
+    LighthouseState,
+    QuorumConfig,
+    decide,
+    member_problem,
+    next_quorum_id,
+    prune_heartbeats,
+    replica_id_problem,
+)
 from ft_core.types import Quorum, QuorumMember
 
 NOW = 1000.0

@@ -27,7 +27,7 @@ import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 import torch
@@ -208,8 +208,10 @@ class HTTPTransport(CheckpointTransport[Any]):
 
     def __init__(self, timeout: timedelta | float = timedelta(seconds=60), num_chunks: int = 0,
                  bind: str = "127.0.0.1:0", token: str | None = None, hostname: str = "127.0.0.1",
-                 num_connections: int = 4, chunk_bytes: int | None = None) -> None:
+                 num_connections: int = 4, chunk_bytes: int | None = None,
+                 state_dict: Callable[[], Any] | None = None) -> None:
         self.timeout_s = seconds(timeout)
+        self._state_dict = state_dict
         self._num_chunks = num_chunks
         self._chunk_bytes = chunk_bytes
         self._num_connections = max(1, num_connections)
@@ -360,8 +362,9 @@ class HTTPTransport(CheckpointTransport[Any]):
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
         """Fetch step `step` from the source whose `metadata()` is `metadata`; tensors arrive on the CPU."""
+        local = self._state_dict() if self._state_dict is not None else None
         return fetch(metadata, step, seconds(timeout), token=self._token, num_connections=self._num_connections,
-                     src_rank=src_rank)
+                     src_rank=src_rank, into=local)
 
 
 class _Connection(http.client.HTTPConnection):
@@ -385,7 +388,8 @@ class _Fetch:
     """One receive: header, then chunks over parallel connections straight into the final buffers."""
 
     def __init__(self, url: str, step: int, timeout_s: float, token: str | None, num_connections: int,
-                 src_rank: int) -> None:
+                 src_rank: int, into: Any = None) -> None:
+        self.into = into
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname or not parts.port:
             raise CheckpointError(f"checkpoint source address {url!r} is not http://host:port; pass the "
@@ -527,7 +531,8 @@ class _Fetch:
     def run(self) -> Any:
         try:
             first, plan = self.header()
-            buffers = plan.allocate()
+            direct, preset, copies = ser.in_place_targets(plan, self.into, host_only=True)
+            buffers = plan.allocate(preset)
             todo: queue.SimpleQueue = queue.SimpleQueue()
             for index in range(plan.num_chunks):
                 todo.put(index)
@@ -545,7 +550,7 @@ class _Fetch:
                 raise self.timeout_error(f" ({plan.payload_nbytes} bytes in {plan.num_chunks} chunks)")
             if self.errors:
                 raise self._wrap(self.errors[0])
-            return plan.build(buffers)
+            return plan.build(buffers, ser.fill_copies(plan, buffers, direct, copies))
         finally:
             self.close()
 
@@ -559,9 +564,13 @@ class _Fetch:
 
 
 def fetch(url: str, step: int, timeout_s: float, *, token: str | None = None, num_connections: int = 4,
-          src_rank: int = -1) -> Any:
-    """Fetch step `step` from the HTTPTransport at `url` (its metadata()); raises CheckpointError/TimeoutError."""
-    job = _Fetch(url, step, timeout_s, token, num_connections, src_rank)
+          src_rank: int = -1, into: Any = None) -> Any:
+    """Fetch step `step` from the HTTPTransport at `url` (its metadata()); raises CheckpointError/TimeoutError.
+
+    With `into` (a state of the same structure), tensors matching by key path, dtype and shape are
+    filled in place (straight from the socket when contiguous on the CPU) and returned instead of new ones.
+    """
+    job = _Fetch(url, step, timeout_s, token, num_connections, src_rank, into)
     try:
         return job.run()
     except Exception as exc:

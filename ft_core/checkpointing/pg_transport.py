@@ -45,14 +45,6 @@ def _buffer_tensor(buffer: Any) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for dim in reversed(shape):
-        strides.append(acc)
-        acc *= max(dim, 1)
-    return tuple(reversed(strides))
-
-
 class PGTransport(CheckpointTransport[Any]):
     """Sends and receives checkpoints over `pg` (send/recv with tags); see the module doc for the wire order."""
 
@@ -136,7 +128,8 @@ class PGTransport(CheckpointTransport[Any]):
         self._wait(self._pg.recv([frame], src_rank, TAG_HEADER), deadline, what + " (header)", src_rank)
         plan = ser.parse_header_frame(memoryview(frame.cpu().numpy()))
         right_step = plan.step == step
-        overrides, preset, copies = self._in_place_targets(plan) if right_step else ({}, {}, {})
+        local = self._state_dict() if self._state_dict is not None and right_step else None
+        overrides, preset, copies = ser.in_place_targets(plan, local)
         buffers = plan.allocate({b: t for b, t in preset.items() if t.device.type == "cpu"})
         comm: dict[int, torch.Tensor] = {}
         works = []
@@ -170,41 +163,7 @@ class PGTransport(CheckpointTransport[Any]):
             if expected[index] != NO_CRC and expected[index] != value:
                 raise CheckpointError(f"blob {index} of step {step} from rank {src_rank} fails its checksum "
                                       f"(crc32 {value:#010x} != {expected[index]:#010x}); fetch it again")
-        with torch.no_grad():
-            for index, t in copies.items():
-                t.copy_(ser.make_tensor(plan.tensors[index], buffers))
-                overrides[index] = t
-        return plan.build(buffers, overrides)
-
-    def _in_place_targets(self, plan: ser.Plan) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor],
-                                                          dict[int, torch.Tensor]]:
-        """Match incoming tensors to local ones by key path (same dtype and shape).
-
-        Returns (tensors received directly into local memory, blob -> byte view of that memory,
-        tensors to copy into local ones after receiving).
-        """
-        if self._state_dict is None:
-            return {}, {}, {}
-        local: dict[tuple[Any, ...], torch.Tensor] = {}
-        ser.walk_tensors(self._state_dict(), lambda path, t: local.setdefault(path, t))
-        users: dict[int, int] = {}
-        for spec in plan.tensors:
-            users[spec.blob] = users.get(spec.blob, 0) + 1
-        overrides, preset, copies = {}, {}, {}
-        for index, path in plan.tensor_paths().items():
-            spec, t = plan.tensors[index], local.get(path)
-            if t is None or t.dtype != spec.dtype or tuple(t.shape) != spec.shape or spec.blob < 0:
-                continue
-            nbytes = t.numel() * t.element_size()
-            direct = (users[spec.blob] == 1 and t.is_contiguous() and spec.offset == 0
-                      and spec.stride == _contiguous_strides(spec.shape) and plan.blob_sizes[spec.blob] == nbytes)
-            if direct:
-                preset[spec.blob] = ser.storage_span(t.untyped_storage(), t.storage_offset() * t.element_size(),
-                                                     nbytes)
-                overrides[index] = t
-            else:
-                copies[index] = t
-        return overrides, preset, copies
+        return plan.build(buffers, ser.fill_copies(plan, buffers, overrides, copies))
 
     def shutdown(self, wait: bool = True) -> None:
         """The process group belongs to the caller; nothing to release here."""

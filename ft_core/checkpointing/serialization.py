@@ -678,3 +678,56 @@ def walk_tensors(obj: Any, visit: Callable[[tuple[Any, ...], torch.Tensor], None
     elif isinstance(obj, (list, tuple)):
         for index, value in enumerate(obj):
             walk_tensors(value, visit, path + (index,))
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for dim in reversed(shape):
+        strides.append(acc)
+        acc *= max(dim, 1)
+    return tuple(reversed(strides))
+
+
+def in_place_targets(plan: Plan, local_state: Any, host_only: bool = False
+                     ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """Match incoming tensors to `local_state`'s tensors by key path, dtype and shape.
+
+    Returns (tensors whose bytes can be received straight into local memory, blob -> uint8 view of that
+    memory, tensors to copy into local ones after receiving). `host_only` keeps device tensors out of the
+    direct path (a receiver that reads into host memory copies into them instead).
+    """
+    if local_state is None:
+        return {}, {}, {}
+    local: dict[tuple[Any, ...], torch.Tensor] = {}
+    walk_tensors(local_state, lambda path, t: local.setdefault(path, t))
+    users: dict[int, int] = {}
+    for spec in plan.tensors:
+        users[spec.blob] = users.get(spec.blob, 0) + 1
+    direct_tensors: dict[int, torch.Tensor] = {}
+    preset: dict[int, torch.Tensor] = {}
+    copies: dict[int, torch.Tensor] = {}
+    for index, path in plan.tensor_paths().items():
+        spec, t = plan.tensors[index], local.get(path)
+        if t is None or t.dtype != spec.dtype or tuple(t.shape) != spec.shape or t.layout != torch.strided:
+            continue
+        nbytes = t.numel() * t.element_size()
+        direct = (spec.blob >= 0 and users[spec.blob] == 1 and t.is_contiguous() and spec.offset == 0
+                  and spec.stride == _contiguous_strides(spec.shape) and plan.blob_sizes[spec.blob] == nbytes
+                  and not (host_only and t.device.type != "cpu"))
+        if direct:
+            preset[spec.blob] = storage_span(t.untyped_storage(), t.storage_offset() * t.element_size(), nbytes)
+            direct_tensors[index] = t
+        else:
+            copies[index] = t
+    return direct_tensors, preset, copies
+
+
+def fill_copies(plan: Plan, buffers: list[Any], direct: dict[int, torch.Tensor],
+                copies: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Copy received tensors into their local counterparts; returns the overrides for Plan.build."""
+    overrides = dict(direct)
+    with torch.no_grad():
+        for index, t in copies.items():
+            t.copy_(make_tensor(plan.tensors[index], buffers))
+            overrides[index] = t
+    return overrides

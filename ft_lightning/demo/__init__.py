@@ -27,8 +27,15 @@ FINISH_TIMEOUT_S = 60.0  # after the stop step is set: wait this long for every 
 CRASH_LOOP = 3  # a group that dies this many times in a row without training (not killed by us) aborts the demo
 
 
-def group_state(launch_state: GroupState, series: GroupSeries, incarnation: int) -> str:
-    """What the table calls a group: starting / training / healing / dead / restarting / done / lost."""
+STALL_S = 2.5  # a training group that has not committed for this long is shown as waiting
+
+
+def group_state(launch_state: GroupState, series: GroupSeries, incarnation: int, now: float | None = None) -> str:
+    """What the table calls a group: starting / training / waiting / healing / dead / restarting / done / lost.
+
+    `waiting`: it trained in this incarnation but has not committed for STALL_S seconds (at `now`,
+    unix time), e.g. while the survivors of a failure agree on a new quorum.
+    """
     if launch_state == GroupState.RESTARTING:
         return "dead"
     if launch_state != GroupState.RUNNING:
@@ -39,6 +46,8 @@ def group_state(launch_state: GroupState, series: GroupSeries, incarnation: int)
         return "healing"
     if not series.trained_since_start:
         return "starting" if incarnation == 0 else "restarting"
+    if now is not None and series.time and now - series.time[-1] > STALL_S:
+        return "waiting"
     return "training"
 
 
@@ -104,8 +113,10 @@ class DemoRun:
 
     def _trainers(self, launcher: Launcher) -> list[int]:
         """Groups worth killing: training now, with at least one other group training to carry on."""
+        now = time.time()
         training = [g for g in launcher.running_groups()
-                    if group_state(GroupState.RUNNING, self.series[g], launcher.status(g).incarnation) == "training"]
+                    if group_state(GroupState.RUNNING, self.series[g], launcher.status(g).incarnation, now)
+                    == "training"]
         return training if len(training) >= 2 else []
 
     def on_event(self, event: LaunchEvent) -> None:
@@ -140,11 +151,13 @@ class DemoRun:
     def view(self) -> DemoView:
         outcomes = failure_outcomes(self.series, self.kills)
         rows = []
+        now = time.time()
         for g, s in self.series.items():
             st = self.launcher.status(g)
             mine = [o for o in outcomes if o["group"] == g]
             rows.append(GroupRow(
-                group=g, state=group_state(st.state, s, st.incarnation), step=s.last_step, loss=s.last_loss,
+                group=g, state=group_state(st.state, s, st.incarnation, now), step=s.last_step,
+                loss=s.last_loss,
                 quorum_id=s.quorum_id[-1] if s.quorum_id else None,
                 participants=s.num_participants[-1] if s.num_participants else None,
                 restarts=st.incarnation, failures=len(mine), survived=sum(1 for o in mine if o["survived"])))
@@ -191,7 +204,7 @@ class DemoRun:
                 self.note("time is up: waiting for every group to be training, then stopping all at one step")
         elif self.phase == "converging":
             states = [r.state for r in self.view().rows]
-            if all(s == "training" for s in states) or now >= self.deadline:
+            if all(s in ("training", "waiting") for s in states) or now >= self.deadline:
                 if now >= self.deadline:
                     self.note(f"not every group came back within {CONVERGE_TIMEOUT_S:.0f}s: {states}", "red")
                 self._write_stop_step()
@@ -292,6 +305,7 @@ def main(argv: list[str]) -> int:
                     break
             display.update(run.view())
             display.stop()
+            console.print()
             launcher.shutdown(grace=0.0 if interrupted else None)
         series = load_series(groups_dir, args.groups)  # from the files, start to end
         report = build_report(series, run.kills, started_at=run.t0, duration_s=args.duration,

@@ -77,7 +77,8 @@ class GroupSeries:
 
     @property
     def last_loss(self) -> float | None:
-        return self.loss[-1] if self.loss else None
+        """The latest loss worth showing (a healing step's loss is NaN: computed on replaced weights)."""
+        return next((x for x in reversed(self.loss) if not math.isnan(x)), None)
 
     def commits_after(self, t: float) -> bool:
         return bool(self.time) and self.time[-1] > t
@@ -264,7 +265,7 @@ def plot_report(report: Mapping[str, Any], path: str) -> None:
     for g, s in groups:
         color = colors[int(g) % len(colors)]
         for n, segment in enumerate(_segments(s)):  # one line per incarnation: a restart is a visible break
-            ax_loss.plot([s["step"][i] for i in segment], [s["loss"][i] for i in segment], color=color, lw=1.1,
+            ax_loss.plot([s["step"][i] for i in segment], [_nan(s["loss"][i]) for i in segment], color=color, lw=1.1,
                          alpha=0.85, label=f"group {g}" if n == 0 else None)
         for h in s["heals"]:
             if h["step"]:  # the initial weight copy at step 0 is not a recovery
@@ -347,10 +348,13 @@ def _segments(s: Mapping[str, Any]) -> list[list[int]]:
     return segs
 
 
-def _loss_at(s: Mapping[str, Any], step: int | None) -> float | None:
-    if step is None:
-        return None
+def _nan(x: float | None) -> float:
+    return math.nan if x is None else x
+
+
+def _loss_at(s: Mapping[str, Any], step: int) -> float:
+    """The first loss worth plotting at or after `step` (where a heal marker sits on the curve)."""
     for st, loss in zip(s["step"], s["loss"]):
-        if st >= step:
+        if st >= step and loss is not None:
             return loss
-    return s["loss"][-1] if s["loss"] else None
+    return math.nan

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -168,8 +169,10 @@ class FTEventRecorder(logging.Handler):
             self.log.write("heal", step=ev.get("step"), seconds=ev.get("seconds"), nbytes=ev.get("nbytes"),
                            source=ev.get("source_replica_rank"))
         elif kind == "commit":
+            # A healing group computed its loss with the weights it then replaced: not worth plotting.
+            loss = None if self.healed_this_step else self.model.last_loss
             self.log.write("commit", step=ev.get("step"), committed=bool(ev.get("committed")),
-                           loss=self.model.last_loss, quorum_id=self.quorum_id,
+                           loss=loss, quorum_id=self.quorum_id,
                            num_participants=ev.get("num_participants"),
                            state="healed" if self.healed_this_step else "training")
             self.healed_this_step = False
@@ -211,6 +214,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=10.0,
+                   help="seconds a collective, vote or checkpoint fetch may take (FT_TIMEOUT_SEC overrides); "
+                        "a step of this model takes ~0.1 s, so 10 s bounds a hang without false alarms")
     args = p.parse_args(argv)
     if args.max_steps is None and args.stop_file is None:
         p.error("give --max-steps N or --stop-file PATH, or training never ends")
@@ -239,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     events_logger.addHandler(recorder)
     stopper = StopAtStep(args.max_steps, args.stop_file)
     trainer = pl.Trainer(
-        strategy=FaultTolerantDDPStrategy(), accelerator="cpu",
+        strategy=FaultTolerantDDPStrategy(timeout=timedelta(seconds=args.timeout)), accelerator="cpu",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), max_epochs=-1, max_steps=-1,
         callbacks=[stopper], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0)
