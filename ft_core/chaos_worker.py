@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     recorder = EventRecorder(log)
     events = logging.getLogger("ft_core.events")
     events.setLevel(logging.INFO)
+    events.propagate = False  # recorded in the JSON log only
     events.addHandler(recorder)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
@@ -199,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                       checkpoint_transport=transport)
     ddp = DistributedDataParallel(manager, model)
     optimizer = OptimizerWrapper(manager, inner)
-    log.write("ready", replica_id=manager.replica_id, pid=os.getpid(), group=group, incarnation=incarnation)
+    log.write("ready", replica_id=manager.replica_id, pid=os.getpid(), group=group, incarnation=incarnation,
+              address=transport.metadata())
 
     exit_file = os.path.join(args.out, EXIT_FILE)
     try:

@@ -303,6 +303,7 @@ def main(argv: list[str]) -> int:
     """`ftl lighthouse`: run the quorum server until SIGINT/SIGTERM."""
     from rich.console import Console
     from rich.logging import RichHandler
+    from rich.markup import escape
 
     parser = argparse.ArgumentParser(prog="ftl lighthouse", description="Run the quorum server (one per job).")
     parser.add_argument("--bind", default=DEFAULT_BIND, help=f"gRPC HOST:PORT (default {DEFAULT_BIND})")
@@ -331,7 +332,7 @@ def main(argv: list[str]) -> int:
                                   heartbeat_timeout_ms=opts.heartbeat_timeout_ms, token=opts.token,
                                   http_bind=None if opts.http_bind == "off" else opts.http_bind)
     except ConfigError as exc:
-        console.print(f"[red]ftl lighthouse: {exc}[/red]")
+        console.print(f"[red]ftl lighthouse: {escape(str(exc))}[/red]")
         return 2
     with server:
         http = server.http_address()

@@ -160,6 +160,8 @@ class LighthouseCore:
             self._heartbeats.pop(replica_id, None)
             self._waiting.pop(replica_id, None)
             self._expired.discard(replica_id)
+            if replica_id not in self._waiters:
+                self._known.pop(replica_id, None)
             if self._metrics is not None:
                 self._metrics.stream_deaths.inc()
             logger.info("replica %s declared dead: heartbeat stream %s", replica_id, why,
@@ -182,8 +184,8 @@ class LighthouseCore:
             for rid in prune_heartbeats(self._heartbeats, now, PRUNE_AFTER_TIMEOUTS * timeout):
                 del self._heartbeats[rid]
                 self._expired.discard(rid)
-                if rid not in self._waiting:
-                    self._known.pop(rid, None)
+            for rid in [r for r in self._known if r not in self._heartbeats and r not in self._waiters]:
+                del self._known[rid]
             if self._waiting:
                 self._decide_locked(now)
 

@@ -164,6 +164,11 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """One named daemon thread per request (the base class's threads are anonymous)."""
+        threading.Thread(target=self.process_request_thread, args=(request, client_address),
+                         name="ftl-lighthouse-http-request", daemon=True).start()
+
     def __init__(self, addr: tuple[str, int], core: Any, metrics: LighthouseMetrics, token: str | None) -> None:
         self.address_family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
         self.core = core

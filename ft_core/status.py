@@ -87,7 +87,8 @@ def render(status: dict[str, Any]) -> Any:
         else:
             state = "alive"
         age = m.get("heartbeat_age_s")
-        table.add_row(m["replica_id"], state, str(m.get("step", "-")), m.get("address") or "-",
+        step = m.get("step")
+        table.add_row(m["replica_id"], state, "-" if step is None else str(step), m.get("address") or "-",
                       m.get("store_address") or "-", str(m.get("world_size") or "-"),
                       "-" if age is None else f"{age:.1f} s ago")
     return table
@@ -95,6 +96,7 @@ def render(status: dict[str, Any]) -> Any:
 
 def main(argv: list[str]) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
     parser = argparse.ArgumentParser(prog="ftl status", description="Show the lighthouse's quorum and members.")
     parser.add_argument("--lighthouse", default=None,
@@ -108,7 +110,7 @@ def main(argv: list[str]) -> int:
     try:
         status = fetch_status(opts.lighthouse, opts.token or os.environ.get("FT_TOKEN") or None, opts.timeout)
     except (ConfigError, RPCError) as exc:
-        Console(stderr=True).print(f"[red]ftl status: {exc}[/red]")
+        Console(stderr=True).print(f"[red]ftl status: {escape(str(exc))}[/red]")
         return 1
     if opts.json:
         print(json.dumps(status, indent=2))

@@ -245,11 +245,13 @@ class FaultTolerantTrainerMixin:
             if str(callback.state_key) in callbacks:
                 callback.load_state_dict(callbacks[str(callback.state_key)])
         restore_rng(state["rng"])
-        before = self._window_snapshot["loops"] if self._window_snapshot else _progress.snapshot(trainer)
+        local = _progress.snapshot(trainer)
+        before = self._window_snapshot["loops"] if self._window_snapshot else local
         now = _progress.adopt(trainer, state["loops"], before)
         epoch = now["epoch"]["current"]["processed"]
         next_batch = now["batch"]["current"]["ready"]
-        _data.reposition(trainer, epoch, next_batch)
+        if (epoch, next_batch) != (local["epoch"]["current"]["processed"], local["batch"]["current"]["ready"]):
+            _data.reposition(trainer, epoch, next_batch)
         logger.info("ft_lightning: healed to epoch %d, batch %d, global_step %d", epoch, next_batch - 1,
                     trainer.global_step)
 

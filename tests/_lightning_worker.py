@@ -138,7 +138,8 @@ class Recorder(pl.Callback):
             self.failed_step = {"before": self.before, "after": self._state(trainer)}
         with open(self._progress_path(trainer), "a") as f:
             f.write(json.dumps({"global_step": trainer.global_step, "epoch": trainer.current_epoch,
-                                "batch_idx": batch_idx, "manager_step": trainer.strategy.manager.current_step(),
+                                "batch_idx": trainer.fit_loop.batch_idx, "batch_sum": float(batch[0].sum()),
+                                "manager_step": trainer.strategy.manager.current_step(),
                                 "pid": os.getpid()}) + "\n")
         if self.args.kill_at_step is not None and trainer.global_step >= self.args.kill_at_step:
             os.kill(os.getpid(), 9)  # a real SIGKILL mid-epoch

@@ -3,6 +3,7 @@ command's precedence, and what may travel to a healing group. Pure rules, table-
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -89,7 +90,7 @@ def test_plugin_defaults(clean_env):
 
 def test_plugin_is_frozen_and_hides_the_token(clean_env):
     plugin = FaultTolerancePlugin(lighthouse=LH, token="s3cret")
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         plugin.min_replica_size = 5  # type: ignore[misc]
     assert "s3cret" not in repr(plugin) and "s3cret" not in plugin.describe()
 
@@ -193,12 +194,13 @@ def test_config_command_writes_flags_and_launch_help_lists_them(tmp_path):
     env = child_env(HF_HOME=str(tmp_path / "hf"))
     run = subprocess.run([sys.executable, "-m", "ft_core.cli", "accelerate", "config", "--config-file", str(path),
                           "--lighthouse", LH, "--num-replica-groups", "2", "--async-quorum", "false"],
-                         env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+                         env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+                         check=False)
     assert run.returncode == 0, run.stderr
     assert load_config(str(path)) == {"lighthouse": LH, "num_replica_groups": 2, "async_quorum": False}
     bad = subprocess.run([sys.executable, "-m", "ft_core.cli", "accelerate", "config", "--config-file", str(path),
                           "--timeout", "-3"], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
-                         stdin=subprocess.DEVNULL)
+                         stdin=subprocess.DEVNULL, check=False)
     assert bad.returncode == 2 and "timeout" in bad.stderr
     assert load_config(str(path))["lighthouse"] == LH  # a rejected run leaves the file alone
 
@@ -343,5 +345,58 @@ def test_importing_the_accelerate_integration_does_not_import_lightning():
             "bad = [m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')]; "
             "assert not bad, bad")
     run = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=REPO_ROOT, capture_output=True,
-                         text=True, timeout=60)
+                         text=True, timeout=60, check=False)
     assert run.returncode == 0, run.stderr
+
+
+@pytest.mark.timeout(60)
+def test_config_command_asks_on_a_terminal_keeps_defaults_on_enter_and_asks_again_after_a_bad_answer(tmp_path):
+    import pty
+    import select
+    import time
+
+    path = tmp_path / "ft.yaml"
+    typed_ahead = [LH,            # lighthouse
+                   "two", "2",    # num_replica_groups: a bad answer, then a good one
+                   "",            # min_replica_size: keep 1
+                   "30",          # timeout
+                   "", "",        # quorum_timeout, connect_timeout: keep
+                   "fixed_with_spares", "", "n"]  # world_size_mode, backend (keep), async_quorum
+    master, slave = pty.openpty()
+    def take_terminal() -> None:  # the pty becomes the child's controlling terminal (getpass reads /dev/tty)
+        import fcntl
+        import termios
+
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    proc = subprocess.Popen([sys.executable, "-m", "ft_core", "accelerate", "config", "--config-file", str(path)],
+                            stdin=slave, stdout=slave, stderr=slave, env=child_env(TERM="dumb"), cwd=REPO_ROOT,
+                            start_new_session=True, preexec_fn=take_terminal)
+    os.close(slave)
+    transcript = b""
+
+    def read_until(marker: bytes, deadline_s: float) -> None:
+        nonlocal transcript
+        end = time.monotonic() + deadline_s
+        while marker not in transcript and time.monotonic() < end:
+            if select.select([master], [], [], 0.2)[0]:
+                try:
+                    transcript += os.read(master, 4096)
+                except OSError:  # the child closed the terminal
+                    return
+
+    try:
+        os.write(master, ("\n".join(typed_ahead) + "\n").encode())
+        read_until(b"(FT_TOKEN)", 30)  # the token prompt flushes typed-ahead input: answer it once asked
+        os.write(master, b"\n")
+        read_until(b"wrote ", 20)
+        assert proc.wait(timeout=20) == 0, transcript.decode(errors="replace")
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert b"not a valid integer" in transcript
+    assert load_config(str(path)) == {
+        "lighthouse": LH, "num_replica_groups": 2, "min_replica_size": 1, "timeout": 30.0, "quorum_timeout": 60.0,
+        "connect_timeout": 60.0, "world_size_mode": "fixed_with_spares", "backend": "auto", "async_quorum": False}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import tempfile
 import threading
@@ -93,7 +94,7 @@ def rows(page: DevTools) -> list[str]:
 @pytest.mark.timeout(60)
 def test_status_page_lists_members_and_follows_changes_without_external_requests(processes) -> None:
     with LighthouseServer(quorum_tick_ms=50, heartbeat_timeout_ms=2_000) as server, \
-            LighthouseClient(server.address()) as client, tempfile.TemporaryDirectory() as profile:
+            LighthouseClient(server.address()) as client, tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         streams = {rid: client.start_heartbeat_stream(rid) for rid in ("alpha", "beta")}
         assert all(s.wait_connected(5) for s in streams.values())
         joined: list[Any] = []
@@ -137,8 +138,9 @@ def test_status_page_lists_members_and_follows_changes_without_external_requests
             finally:
                 page.close()
         finally:
-            browser.terminate()
+            os.killpg(browser.pid, signal.SIGTERM)  # its own session (processes.spawn): renderers too
             try:
                 browser.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                browser.kill()
+                os.killpg(browser.pid, signal.SIGKILL)
+                browser.wait(timeout=10)

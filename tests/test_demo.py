@@ -147,6 +147,19 @@ def test_group_state_shown_in_the_table(launch_state, records, incarnation, expe
     assert group_state(launch_state, _series(*records), incarnation) == expect
 
 
+@pytest.mark.parametrize("seconds_since_commit, expect", [(0.5, "training"), (2.0, "training"), (3.0, "waiting")])
+def test_a_group_that_stopped_committing_is_shown_waiting(seconds_since_commit, expect):
+    series = _series(START0, QUORUM, COMMIT)
+    assert group_state(GroupState.RUNNING, series, 0, now=COMMIT["t"] + seconds_since_commit) == expect
+
+
+def test_a_healing_steps_loss_is_not_shown():
+    series = _series(START1, QUORUM_HEAL, HEAL, {**COMMIT, "loss": None}, {**COMMIT, "step": 42, "loss": None})
+    assert series.last_loss is None
+    series.add({**COMMIT, "step": 43, "loss": 1.5})
+    assert series.last_loss == 1.5
+
+
 @pytest.mark.parametrize("rate, expect", [(0, 5), (1, 5), (10, 30), (40, 120)])
 def test_stop_margin_is_about_three_seconds_of_progress(rate, expect):
     now = 100.0

@@ -62,6 +62,15 @@ def summaries(out: Path) -> dict[tuple[int, int], dict]:
     return {(s["group"], s["rank"]): s for s in (json.loads(p.read_text()) for p in out.glob("summary_*.json"))}
 
 
+def expected_batch_sum(group: int, epoch: int, batch_idx: int, groups: int = 2, samples: int = 64) -> float:
+    """Sum of the inputs of batch `batch_idx` of `epoch` in `group`'s shard (the worker's data and seed)."""
+    x = torch.randn(samples, 8, generator=torch.Generator().manual_seed(0))
+    sampler = torch.utils.data.DistributedSampler(range(samples), num_replicas=groups, rank=group, shuffle=True,
+                                                  seed=0)
+    sampler.set_epoch(epoch)
+    return float(x[list(sampler)[4 * batch_idx:4 * batch_idx + 4]].sum())
+
+
 def assert_identical_weights(out: Path, expected: int) -> None:
     files = sorted(out.glob("weights_*.pt"))
     assert len(files) == expected, [f.name for f in files]
@@ -150,6 +159,9 @@ def test_killed_group_resumes_from_checkpoint_and_heals(processes, lighthouse, t
     survivor_progress = [json.loads(line) for line in (tmp_path / "progress_g0_r0.jsonl").read_text().splitlines()]
     assert [(p["global_step"], p["epoch"], p["batch_idx"]) for p in survivor_progress][-len(after_restart):] == \
         [(p["global_step"], p["epoch"], p["batch_idx"]) for p in after_restart]
+    # and from the next batch on it reads exactly its shard's batches for that epoch and index
+    for p in after_restart[1:]:
+        assert p["batch_sum"] == pytest.approx(expected_batch_sum(1, p["epoch"], p["batch_idx"]), abs=1e-4), p
     for group in (0, 1):  # checkpoints per group, no collisions
         assert (tmp_path / "ckpts" / f"replica_group_{group}" / "last.ckpt").exists()
         saved = torch.load(tmp_path / "ckpts" / f"replica_group_{group}" / "last.ckpt", weights_only=False)

@@ -15,8 +15,8 @@ is True and the schedulers do not step.
 from __future__ import annotations
 
 import contextlib
-import os
 import logging
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -103,7 +103,7 @@ class FaultTolerantAccelerator(Accelerator):
                               f"launch without FSDP/DeepSpeed/Megatron/XLA")
         self._ft_window = _Window()
         self._ft_counts = {"model": 0, "optimizer": 0, "scheduler": 0, "commits": 0, "skipped": 0}
-        self._ft_hooked: list[torch.nn.Module] = []
+        self._ft_final_step = 0
         logger.info("replica group %s, group rank %d/%d: %s", self.ft.replica_id, self.process_index,
                     self.num_processes, self.ft.describe())
         self._ft_rng_at_window_start: dict[str, Any] = rng_state()
@@ -193,7 +193,8 @@ class FaultTolerantAccelerator(Accelerator):
     @property
     def ft_step(self) -> int:
         """Committed optimizer steps of the job (the same on every live group)."""
-        return int(self.ft_manager.current_step())
+        manager = self.ft_manager
+        return int(manager.current_step()) if manager is not None else self._ft_final_step
 
     @property
     def ft_stats(self) -> dict[str, int]:
@@ -239,7 +240,6 @@ class FaultTolerantAccelerator(Accelerator):
             prepared = ddp.DistributedDataParallel(self.ft_manager, prepared)
             prepared._is_accelerate_prepared = True
         prepared.register_forward_pre_hook(self._on_training_forward)
-        self._ft_hooked.append(prepared)
         unwrapped = self.unwrap_model(prepared)
         index = self._ft_counts["model"]
         self._ft_counts["model"] += 1
@@ -315,14 +315,16 @@ class FaultTolerantAccelerator(Accelerator):
         """Stop this process's Manager (its servers and threads). Idempotent."""
         manager = getattr(self, "ft_manager", None)
         if manager is not None:
-            manager.shutdown()
+            self._ft_final_step = int(manager.current_step())
             self.ft_manager = None
+            manager.shutdown()
 
     def end_training(self) -> None:
-        super().end_training()
+        """Accelerate's end of training, after stopping the Manager (it outlives no process group)."""
         self.ft_shutdown()
+        super().end_training()
 
-    def __enter__(self) -> "FaultTolerantAccelerator":
+    def __enter__(self) -> FaultTolerantAccelerator:
         return self
 
     def __exit__(self, *exc: object) -> None:

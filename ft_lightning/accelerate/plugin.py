@@ -9,10 +9,10 @@ overrides the default. `ftl accelerate launch` works by exporting exactly these 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 from ft_core.env import lookup
 from ft_core.errors import ConfigError

@@ -214,9 +214,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=10.0,
+    p.add_argument("--timeout", type=float, default=5.0,
                    help="seconds a collective, vote or checkpoint fetch may take (FT_TIMEOUT_SEC overrides); "
-                        "a step of this model takes ~0.1 s, so 10 s bounds a hang without false alarms")
+                        "a step of this model takes ~0.1 s, so 5 s bounds a hang without false alarms")
     args = p.parse_args(argv)
     if args.max_steps is None and args.stop_file is None:
         p.error("give --max-steps N or --stop-file PATH, or training never ends")

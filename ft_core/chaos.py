@@ -1,0 +1,593 @@
+"""`ftl chaos`: a seeded random fault schedule against a real training job, then a verdict.
+
+The job: a lighthouse child process (`ftl lighthouse`, so it can be killed and restarted on the same
+port) and N replica groups of `ft_core.chaos_worker` run by the `Launcher` (restarted when they die).
+The schedule (seeded; times depend on the machine) draws faults from:
+- kill: SIGKILL a training group at a random point of its step;
+- hang: SIGSTOP a group for longer than the timeouts, then SIGCONT it;
+- kill_heal_source / kill_heal_receiver: wait for a heal (seen in the workers' logs; a kill is
+  injected to provoke one) and SIGKILL its source or its receiver while the checkpoint moves;
+- lighthouse: SIGKILL the lighthouse and restart it on the same port after a pause.
+Throughout, each group's checkpoint server delays every request and drops some (chaos transport).
+Faults wait until the job has made progress since the last one and leave min_replicas groups up.
+After the last fault the job trains `quiet_steps` more steps, the harness writes the exit file and
+checks the records (ft_core.chaos_checks) and that no process is left behind.
+
+    ftl chaos --groups 3 --faults 200 --seed 1 --out chaos-run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import random
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from ft_core.chaos_checks import LogTail, check_run, heal_fault_outcomes, heal_stats, read_run
+from ft_core.chaos_worker import EXIT_FILE
+from ft_core.launch import GroupState, LaunchEvent, Launcher, free_port
+
+logger = logging.getLogger(__name__)
+
+FAULT_KINDS = ("kill", "hang", "lighthouse", "kill_heal_source", "kill_heal_receiver")
+HEAL_KINDS = ("kill_heal_source", "kill_heal_receiver")
+POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    """One chaos run; every time is in seconds unless its name says otherwise."""
+
+    out: str
+    groups: int = 3
+    faults: int = 200
+    seed: int = 0
+    duration: float = 4 * 3600.0  # hard wall-clock bound of the whole run
+    min_replicas: int = 2
+    timeout: float = 5.0  # collectives and checkpoint transfers
+    quorum_timeout: float = 15.0
+    heartbeat_timeout_ms: int = 3000
+    join_timeout_ms: int = 1000
+    interval: float = 3.0  # mean pause between faults
+    min_progress_steps: int = 3  # the job advances this many steps between faults
+    transport_delay_ms: float = 150.0
+    transport_drop: float = 0.05
+    quiet_steps: int = 15
+    restart_delay: float = 0.5
+    step_sleep: float = 0.05
+    heal_wait: float = 90.0  # an armed heal fault gives up after this long
+    kinds: tuple[str, ...] = FAULT_KINDS
+    token: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.kinds) - set(FAULT_KINDS))
+        problems = [(self.groups >= 3, f"--groups must be >= 3 (got {self.groups})"),
+                    (1 <= self.min_replicas < self.groups,
+                     f"--min-replicas must be in 1..groups-1 (got {self.min_replicas} with {self.groups} groups)"),
+                    (self.faults >= 0, f"--faults must be >= 0 (got {self.faults})"),
+                    (not unknown, f"unknown fault kinds {unknown}; choose from {', '.join(FAULT_KINDS)}"),
+                    (bool(self.kinds), "at least one fault kind is needed")]
+        for ok, message in problems:
+            if not ok:
+                raise ValueError(message)
+
+
+@dataclass
+class Fault:
+    """One injected fault, as the summary reports it."""
+
+    index: int
+    kind: str
+    time: float
+    target: str
+    detail: str = ""
+    group: int | None = None  # the group killed or stopped, and its incarnation then
+    incarnation: int | None = None
+    receiver: tuple[int, int] | None = None  # heal faults: (group, incarnation) of the healing group
+    step: int | None = None  # heal faults: the step being transferred
+
+
+class LighthouseProcess:
+    """`ftl lighthouse` as a child process in its own session: killed and restarted on one port."""
+
+    def __init__(self, cfg: ChaosConfig, log_path: str) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self._cfg = cfg
+        self._log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self.pids: list[int] = []
+        self.starts = 0
+
+    def start(self) -> None:
+        cfg = self._cfg
+        argv = [sys.executable, "-m", "ft_core", "lighthouse", "--bind", self.address, "--http-bind", "off",
+                "--min-replicas", str(cfg.min_replicas), "--join-timeout-ms", str(cfg.join_timeout_ms),
+                "--heartbeat-timeout-ms", str(cfg.heartbeat_timeout_ms), "--log-level", "WARNING"]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if cfg.token:
+            env["FT_TOKEN"] = cfg.token
+        with open(self._log_path, "ab") as log:
+            self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        self.pids.append(self.proc.pid)
+        self.starts += 1
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(timeout=10)
+        self.proc = None
+
+
+@dataclass
+class _Live:
+    """The little the schedule needs to know about one incarnation, updated as its records arrive."""
+
+    last_step: int = 0
+    commits: int = 0
+    last_commit: float = 0.0
+    open_recv: dict[str, Any] | None = None  # a transfer started and not yet finished
+    address: str | None = None  # its checkpoint server
+
+    def update(self, records: list[dict[str, Any]]) -> None:
+        for rec in records:
+            kind = rec.get("kind")
+            if kind == "step":
+                self.last_step, self.last_commit = int(rec["step"]), float(rec["time"])
+                self.commits += 1
+            elif kind == "recv_start":
+                self.open_recv = rec
+            elif kind in ("recv_done", "recv_failed"):
+                self.open_recv = None
+            elif kind == "ready":
+                self.address = rec.get("address")
+
+
+@dataclass
+class _Stopped:
+    group: int
+    pids: tuple[int, ...]
+    resume_at: float
+
+
+class ChaosRun:
+    """Drives one run: the job, the fault schedule, the final phase and the verdict (`run()`)."""
+
+    def __init__(self, cfg: ChaosConfig, *, console: Any = None, stop: threading.Event | None = None) -> None:
+        self.cfg = cfg = dataclasses.replace(cfg, token=cfg.token or secrets.token_hex(16))
+        os.makedirs(cfg.out, exist_ok=True)
+        for name in os.listdir(cfg.out):
+            if name.endswith(".jsonl") or name in (EXIT_FILE, "summary.json"):
+                os.remove(os.path.join(cfg.out, name))
+        self.console = console
+        self.stop = stop or threading.Event()
+        self.rng = random.Random(cfg.seed)
+        self.faults: list[Fault] = []
+        self.skipped: Counter[str] = Counter()
+        self.unexpected: list[str] = []
+        self.sessions: set[int] = set()
+        self.tails: dict[str, LogTail] = {}
+        self.live: dict[tuple[str, int], _Live] = {}
+        self.stopped: _Stopped | None = None
+        self.lighthouse_back_at: float | None = None
+        self.armed: tuple[str, float] | None = None
+        self.bag: list[str] = []  # (kind, armed at) of a heal fault waiting for a heal
+        self.target: int | None = None
+        self.progress_mark = 0
+        self.next_fault_at = 0.0
+        self.started = time.monotonic()
+        self.lighthouse = LighthouseProcess(cfg, os.path.join(cfg.out, "lighthouse.log"))
+        worker = [sys.executable, "-m", "ft_core.chaos_worker", "--out", cfg.out,
+                  "--min-replicas", str(cfg.min_replicas), "--timeout", str(cfg.timeout),
+                  "--quorum-timeout", str(cfg.quorum_timeout), "--seed", str(cfg.seed),
+                  "--step-sleep", str(cfg.step_sleep), "--transport-delay-ms", str(cfg.transport_delay_ms),
+                  "--transport-drop", str(cfg.transport_drop)]
+        self.launcher = Launcher(worker, cfg.groups, lighthouse=self.lighthouse.address, token=cfg.token,
+                                 restart=True, restart_delay=cfg.restart_delay, log_dir=os.path.join(cfg.out, "logs"),
+                                 on_event=self._on_launch_event, stop_grace=5.0)
+
+    # ------------------------------------------------------------------ observation
+
+    def say(self, message: str) -> None:
+        logger.info(message)
+        if self.console is not None:
+            self.console.print(f"[dim]{time.monotonic() - self.started:7.1f}s[/dim] {message}", highlight=False)
+
+    def _on_launch_event(self, event: LaunchEvent) -> None:
+        if event.kind == "died":
+            self.unexpected.append(f"group {event.group} incarnation {event.incarnation} died on its own: "
+                                   f"{event.detail}")
+            self.say(f"[red]group {event.group} died on its own: {event.detail}[/red]")
+
+    def _read_logs(self) -> None:
+        for name in os.listdir(self.cfg.out):
+            if name.endswith(".jsonl") and name not in self.tails:
+                self.tails[name] = LogTail(os.path.join(self.cfg.out, name))
+        for name, tail in self.tails.items():
+            records = tail.read()
+            if records:
+                group, _, inc = name[1:-len(".jsonl")].partition(".i")
+                self.live.setdefault((group, int(inc)), _Live()).update(records)
+
+    def _current(self, group: int) -> _Live:
+        """What the group's current incarnation has logged so far."""
+        return self.live.get((str(group), self.launcher.status(group).incarnation)) or _Live()
+
+    def max_step(self) -> int:
+        return max((live.last_step for live in self.live.values()), default=0)
+
+    def _up(self, group: int, now_unix: float) -> bool:
+        """Training right now: running, not stopped, committed in this incarnation within 10 s."""
+        if self.launcher.status(group).state != GroupState.RUNNING:
+            return False
+        if self.stopped is not None and self.stopped.group == group:
+            return False
+        live = self._current(group)
+        return live.commits > 0 and now_unix - live.last_commit < 10.0
+
+    def up_groups(self) -> list[int]:
+        now = time.time()
+        return [g for g in range(self.cfg.groups) if self._up(g, now)]
+
+    def _heal_in_progress(self) -> tuple[int, dict[str, Any]] | None:
+        """(receiver group, its recv_start record) of a transfer running now, if any."""
+        for g in range(self.cfg.groups):
+            start = self._current(g).open_recv
+            if start is not None and self.launcher.status(g).state == GroupState.RUNNING \
+                    and time.time() - float(start["time"]) < self.cfg.timeout:
+                return g, start
+        return None
+
+    def _group_at(self, address: str) -> int | None:
+        """The running group whose checkpoint server is at `address` (from its "ready" record)."""
+        for g in range(self.cfg.groups):
+            if self._current(g).address == address:
+                return g
+        return None
+
+    # ------------------------------------------------------------------ faults
+
+    def _record(self, kind: str, target: str, detail: str = "", **where: Any) -> None:
+        fault = Fault(len(self.faults) + 1, kind, time.time(), target, detail, **where)
+        self.faults.append(fault)
+        self.progress_mark = self.max_step()
+        self.next_fault_at = time.monotonic() + self.rng.uniform(0.5, 1.5) * self.cfg.interval
+        self.say(f"fault {fault.index}/{self.cfg.faults} [bold]{kind}[/bold] {target} {detail}".rstrip())
+
+    def _victim(self) -> int | None:
+        up = self.up_groups()
+        if len(up) - 1 < self.cfg.min_replicas:
+            return None
+        return self.rng.choice(up)
+
+    def _kill(self, group: int, kind: str, detail: str = "", **where: Any) -> None:
+        step = self._current(group).last_step
+        incarnation = self.launcher.status(group).incarnation
+        self.launcher.kill_group(group, f"chaos {kind}")
+        self._record(kind, f"group {group}", f"(at step {step}) {detail}".strip(), group=group,
+                     incarnation=incarnation, **where)
+
+    def _hang(self, group: int) -> None:
+        pids = self.launcher.status(group).pids
+        hang_s = self.rng.uniform(1.2, 2.0) * max(self.cfg.timeout, self.cfg.heartbeat_timeout_ms / 1000.0)
+        for pid in pids:  # the launcher holds these unreaped, so the ids are still its children's
+            try:
+                os.killpg(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        self.stopped = _Stopped(group, pids, time.monotonic() + hang_s)
+        self._record("hang", f"group {group}", f"SIGSTOP for {hang_s:.1f}s", group=group,
+                     incarnation=self.launcher.status(group).incarnation)
+
+    def _resume(self) -> None:
+        stopped, self.stopped = self.stopped, None
+        assert stopped is not None
+        if self.launcher.status(stopped.group).pids == stopped.pids:
+            for pid in stopped.pids:
+                try:
+                    os.killpg(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+        self.say(f"group {stopped.group} resumed (SIGCONT)")
+
+    def _restart_lighthouse(self) -> None:
+        pause = self.rng.uniform(0.2, 2.0)
+        self.lighthouse.kill()
+        self.lighthouse_back_at = time.monotonic() + pause
+        self._record("lighthouse", f"lighthouse {self.lighthouse.address}", f"down for {pause:.1f}s")
+
+    def _fire_heal_fault(self) -> None:
+        """An armed heal fault: kill the receiver or the source of a transfer in progress, if any."""
+        assert self.armed is not None
+        kind, armed_at = self.armed
+        healing = self._heal_in_progress()
+        if healing is None:
+            if time.monotonic() - armed_at > self.cfg.heal_wait:
+                self.skipped[kind] += 1
+                self.armed = None
+                self.say(f"no heal seen within {self.cfg.heal_wait:.0f}s: {kind} skipped")
+                return
+            recovering = [g for g in range(self.cfg.groups) if g not in self.up_groups()]
+            victim = self._victim() if not recovering and time.monotonic() >= self.next_fault_at else None
+            if victim is not None:
+                self._kill(victim, "kill", "to provoke a heal")
+            return
+        receiver, start = healing
+        where = {"receiver": (receiver, self.launcher.status(receiver).incarnation), "step": start.get("step")}
+        if kind == "kill_heal_receiver":
+            self.armed = None
+            self._kill(receiver, kind, f"receiving step {start.get('step')} from {start.get('source')}", **where)
+            return
+        source = self._group_at(str(start.get("source")))
+        if source is None or source == receiver or self.launcher.status(source).state != GroupState.RUNNING \
+                or (self.stopped is not None and self.stopped.group == source):
+            return
+        self.armed = None
+        self._kill(source, kind, f"sending step {start.get('step')} to group {receiver}", **where)
+
+    def _due(self) -> None:
+        """End the faults whose time is up: resume a stopped group, bring the lighthouse back."""
+        if self.stopped is not None and time.monotonic() >= self.stopped.resume_at:
+            self._resume()
+        if self.lighthouse_back_at is not None and time.monotonic() >= self.lighthouse_back_at:
+            self.lighthouse.start()
+            self.lighthouse_back_at = None
+            self.say(f"lighthouse restarted on {self.lighthouse.address}")
+
+    def _inject(self) -> None:
+        """Take the next fault kind from the bag and inject it (or arm it) when the schedule allows."""
+        if len(self.faults) >= self.cfg.faults:
+            return
+        if self.armed is not None:
+            self._fire_heal_fault()
+            return
+        busy = self.stopped is not None or self.lighthouse_back_at is not None
+        if busy or time.monotonic() < self.next_fault_at or self.max_step() < self.progress_mark + \
+                self.cfg.min_progress_steps:
+            return
+        if not self.bag:  # every kind once per round, in a seeded random order
+            self.bag = list(self.cfg.kinds)
+            self.rng.shuffle(self.bag)
+        kind = self.bag[0]
+        if kind in HEAL_KINDS:
+            self.bag.pop(0)
+            self.armed = (kind, time.monotonic())
+            return
+        if kind == "lighthouse":
+            if len(self.up_groups()) >= self.cfg.min_replicas:
+                self.bag.pop(0)
+                self._restart_lighthouse()
+            return
+        victim = self._victim()
+        if victim is None:
+            return
+        self.bag.pop(0)
+        if kind == "kill":
+            self._kill(victim, kind)
+        else:
+            self._hang(victim)
+
+    # ------------------------------------------------------------------ phases
+
+    def _disarm(self) -> None:
+        """No new faults: an armed heal fault that has not fired is skipped."""
+        if self.armed is not None:
+            self.skipped[self.armed[0]] += 1
+            self.armed = None
+
+    def _converged(self) -> bool:
+        """Every group trains, at the same step give or take two."""
+        up = self.up_groups()
+        if len(up) != self.cfg.groups:
+            return False
+        steps = [self._current(g).last_step for g in up]
+        return max(steps) - min(steps) <= 2
+
+    def _remember_sessions(self) -> None:
+        for status in self.launcher.statuses():
+            self.sessions.update(status.pids)
+        self.sessions.update(self.lighthouse.pids)
+
+    def run(self) -> dict[str, Any]:
+        """Run the job under the schedule; returns the summary (also written to OUT/summary.json)."""
+        cfg = self.cfg
+        deadline = self.started + cfg.duration
+        phase = "faults"
+        final_deadline: float | None = None
+        self.say(f"chaos: {cfg.groups} groups, {cfg.faults} faults, seed {cfg.seed}, min_replicas "
+                 f"{cfg.min_replicas}, out {cfg.out}")
+        try:
+            self.lighthouse.start()
+            self.launcher.start()
+            self.next_fault_at = time.monotonic() + cfg.interval
+            while True:
+                self.launcher.poll()
+                self._remember_sessions()
+                self._read_logs()
+                now = time.monotonic()
+                self._due()
+                if phase == "faults":
+                    out_of_time = now > self.started + 0.8 * cfg.duration
+                    if len(self.faults) >= cfg.faults or out_of_time:
+                        self._disarm()
+                        phase = "converge"
+                        self.say(f"{len(self.faults)} faults injected; letting the job converge")
+                    else:
+                        self._inject()
+                quiet = self.stopped is None and self.lighthouse_back_at is None
+                if phase == "converge" and quiet and self._converged():
+                    self.target = self.max_step() + cfg.quiet_steps
+                    phase = "train"
+                    self.say(f"converged at step {self.max_step()}; training to step {self.target}")
+                if phase == "train" and all(self._current(g).last_step >= (self.target or 0)
+                                            for g in range(cfg.groups)):
+                    with open(os.path.join(cfg.out, EXIT_FILE), "w") as f:
+                        f.write(str(self.target))
+                    phase = "exit"
+                    final_deadline = now + cfg.quorum_timeout + 3 * cfg.timeout + 30
+                    self.say(f"every group reached step {self.target}; asking them to exit")
+                if phase == "exit" and self.launcher.finished:
+                    break
+                if self.stop.is_set():
+                    self.unexpected.append(f"interrupted by a signal in phase {phase!r}")
+                    break
+                if now > deadline or (final_deadline is not None and now > final_deadline):
+                    self.unexpected.append(f"run stopped in phase {phase!r} at its deadline "
+                                           f"({cfg.duration:.0f}s, or the exit grace)")
+                    break
+                time.sleep(POLL_S)
+        finally:
+            if self.stopped is not None:
+                self._resume()
+            self.launcher.shutdown(grace=5.0)
+            self.lighthouse.kill()
+            self._remember_sessions()
+        return self._verdict()
+
+    # ------------------------------------------------------------------ verdict
+
+    def _verdict(self) -> dict[str, Any]:
+        cfg = self.cfg
+        incarnations = read_run(cfg.out)
+        problems = check_run(incarnations, min_replicas=cfg.min_replicas,
+                             groups=[str(g) for g in range(cfg.groups)], target=self.target)
+        problems += self.unexpected
+        problems += [f"group {s.group} ended {s.state.value} ({s.detail}), not done"
+                     for s in self.launcher.statuses() if s.state != GroupState.DONE]
+        problems += [f"process {pid} ({what}) is still running after the run" for pid, what in leftovers(self.sessions)]
+        steps = [r for inc in incarnations for r in inc.steps]
+        quorum_ids = [q for inc in incarnations for q in inc.quorum_ids()]
+        summary = {
+            "ok": not problems,
+            "problems": problems,
+            "faults_injected": len(self.faults),
+            "faults_requested": cfg.faults,
+            "faults_by_kind": dict(Counter(f.kind for f in self.faults)),
+            "faults_skipped": dict(self.skipped),
+            "target_step": self.target,
+            "max_step": max((int(r["step"]) for r in steps), default=0),
+            "commits_logged": len(steps),
+            "incarnations": len(incarnations),
+            "max_quorum_id": max(quorum_ids, default=0),
+            "lighthouse_starts": self.lighthouse.starts,
+            "transfers": heal_stats(incarnations),
+            "heal_faults": heal_fault_outcomes([dataclasses.asdict(f) for f in self.faults], incarnations),
+            "seconds": round(time.monotonic() - self.started, 1),
+            "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "token"},
+            "faults": [dataclasses.asdict(f) for f in self.faults],
+        }
+        with open(os.path.join(cfg.out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        return summary
+
+
+def leftovers(sessions: set[int]) -> list[tuple[int, str]]:
+    """Live processes whose session is one this run created (every child runs in its own session)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name = stat[stat.find("(") + 1:stat.rfind(")")]
+        fields = stat[stat.rfind(")") + 2:].split()
+        state, session = fields[0], int(fields[3])
+        if session in sessions and state != "Z":
+            found.append((int(entry), name))
+    return found
+
+
+def print_summary(console: Any, summary: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    table = Table(title="ftl chaos", show_header=False)
+    table.add_row("verdict", "[bold green]PASS[/]" if summary["ok"] else "[bold red]FAIL[/]")
+    table.add_row("faults", f"{summary['faults_injected']} of {summary['faults_requested']} "
+                            f"{json.dumps(summary['faults_by_kind'])}")
+    if summary["faults_skipped"]:
+        table.add_row("skipped", json.dumps(summary["faults_skipped"]))
+    t = summary["transfers"]
+    table.add_row("heals", f"{t['heals_loaded']} loaded; transfers {t['recv_start']} started, {t['recv_done']} "
+                           f"done, {t['recv_failed']} failed; {t['drop']} requests dropped")
+    table.add_row("heal faults", json.dumps(summary["heal_faults"]))
+    table.add_row("steps", f"max {summary['max_step']} (target {summary['target_step']}), "
+                           f"{summary['commits_logged']} commits logged over {summary['incarnations']} processes")
+    table.add_row("quorum ids", f"up to {summary['max_quorum_id']}; lighthouse started "
+                                f"{summary['lighthouse_starts']} times")
+    table.add_row("time", f"{summary['seconds']} s")
+    console.print(table)
+    for problem in summary["problems"][:50]:
+        console.print(f"[red]- {problem}[/red]", highlight=False)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ftl chaos", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = ChaosConfig(out="")
+    p.add_argument("--groups", type=int, default=d.groups, help=f"replica groups (default {d.groups})")
+    p.add_argument("--faults", type=int, default=d.faults, help=f"faults to inject (default {d.faults})")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the fault schedule")
+    p.add_argument("--duration", type=float, default=d.duration,
+                   help=f"hard bound of the whole run in seconds (default {d.duration:.0f}); faults stop at 80%%")
+    p.add_argument("--min-replicas", type=int, default=d.min_replicas, help="participants needed to commit")
+    p.add_argument("--out", default="chaos-run", help="folder for logs and summary.json (default chaos-run)")
+    p.add_argument("--interval", type=float, default=d.interval, help="mean seconds between faults")
+    p.add_argument("--timeout", type=float, default=d.timeout, help="collective/heal timeout of the workers")
+    p.add_argument("--heartbeat-timeout-ms", type=int, default=d.heartbeat_timeout_ms)
+    p.add_argument("--transport-delay-ms", type=float, default=d.transport_delay_ms,
+                   help="delay per checkpoint request on every source")
+    p.add_argument("--transport-drop", type=float, default=d.transport_drop,
+                   help="probability a checkpoint request is dropped")
+    p.add_argument("--kinds", default=",".join(d.kinds), help="comma-separated fault kinds to draw from")
+    p.add_argument("--quiet-steps", type=int, default=d.quiet_steps, help="steps trained after the last fault")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """`ftl chaos`: exit 0 when every check passed, 1 when one failed, 2 on bad options."""
+    from rich.console import Console
+
+    opts = build_parser().parse_args(argv)
+    console = Console(highlight=False)
+    try:
+        cfg = ChaosConfig(out=os.path.abspath(opts.out), groups=opts.groups, faults=opts.faults, seed=opts.seed,
+                          duration=opts.duration, min_replicas=opts.min_replicas, interval=opts.interval,
+                          timeout=opts.timeout, heartbeat_timeout_ms=opts.heartbeat_timeout_ms,
+                          transport_delay_ms=opts.transport_delay_ms, transport_drop=opts.transport_drop,
+                          kinds=tuple(k.strip() for k in opts.kinds.split(",") if k.strip()),
+                          quiet_steps=opts.quiet_steps, token=os.environ.get("FT_TOKEN") or None)
+    except ValueError as exc:
+        console.print(f"[red]ftl chaos: {exc}[/red]")
+        return 2
+    from ft_core.launch import StopSignals
+
+    with StopSignals() as stop:  # Ctrl-C ends the run early, still with a verdict and no process left
+        summary = ChaosRun(cfg, console=console, stop=stop.event).run()
+    print_summary(console, summary)
+    console.print(f"summary: {os.path.join(cfg.out, 'summary.json')}")
+    return 0 if summary["ok"] else 1
+

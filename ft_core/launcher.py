@@ -1,0 +1,487 @@
+"""The Launcher: start, watch, kill and restart N replica groups of processes on this machine.
+
+It owns every process it starts. Each rank runs in its own session, so SIGKILL to its process
+group also takes whatever the rank spawned. A rank is never reaped before its process group has
+been signalled: while we hold it unreaped its pid, and so its process group id, cannot be reused
+by another process, which makes every signal we send land on our own processes.
+
+Used by `ftl launch` (ft_core/launch.py), `ftl demo` and chaos runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import IO, Any, Protocol
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+DEFAULT_RES_OPTIONS = "timeout:1 attempts:1"
+
+
+class FailureSource(Protocol):
+    """Anything that may kill groups on a schedule (ft_core.launch.FaultInjector, a chaos plan)."""
+
+    def tick(self, launcher: Launcher, now: float | None = None) -> Any: ...
+
+
+class GroupState(str, Enum):
+    """Where a replica group is in its life, as the launcher sees it."""
+
+    PENDING = "pending"  # not started yet
+    RUNNING = "running"
+    RESTARTING = "restarting"  # died; a fresh incarnation starts after the restart delay
+    DONE = "done"  # every rank exited 0
+    LOST = "lost"  # died and will not be restarted
+    STOPPED = "stopped"  # ended by the launcher (shutdown or stop_group)
+
+
+@dataclass(frozen=True)
+class LaunchEvent:
+    """Something that happened to a replica group; `kind` is started|killed|died|restarting|done|lost|stopped."""
+
+    kind: str
+    group: int
+    incarnation: int
+    time: float  # unix seconds
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class GroupStatus:
+    """A snapshot of one replica group for displays and summaries."""
+
+    group: int
+    state: GroupState
+    incarnation: int  # 0 for the first start, +1 per restart
+    kills: int  # SIGKILLs by the launcher (fault injection or kill_group)
+    deaths: int  # every unplanned end: kills and crashes
+    detail: str
+    pids: tuple[int, ...]
+
+
+@dataclass
+class _Incarnation:
+    number: int
+    ranks: list[subprocess.Popen]
+    master_port: int
+    readers: list[threading.Thread] = field(default_factory=list)
+    logs: list[IO[bytes]] = field(default_factory=list)
+
+
+@dataclass
+class _Group:
+    index: int
+    state: GroupState = GroupState.PENDING
+    incarnation: _Incarnation | None = None
+    next_incarnation: int = 0
+    restart_at: float = 0.0
+    kills: int = 0
+    deaths: int = 0
+    detail: str = ""
+
+
+def group_env(base: Mapping[str, str], *, group: int, num_groups: int, rank: int, nproc_per_group: int,
+              master_port: int, lighthouse: str | None, token: str | None, restart_count: int) -> dict[str, str]:
+    """The environment of one rank of one replica group (torchrun's names plus ours)."""
+    env = dict(base)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("RES_OPTIONS", DEFAULT_RES_OPTIONS)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update({
+        "REPLICA_GROUP_ID": str(group),
+        "NUM_REPLICA_GROUPS": str(num_groups),
+        "MASTER_ADDR": LOOPBACK,
+        "MASTER_PORT": str(master_port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(nproc_per_group),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(nproc_per_group),
+        "GROUP_RANK": "0",
+        "FT_RESTART_COUNT": str(restart_count),
+    })
+    if lighthouse:
+        env["FT_LIGHTHOUSE"] = lighthouse
+    if token:
+        env["FT_TOKEN"] = token
+    return env
+
+
+def free_port() -> int:
+    """A loopback port the OS just handed out (free now; the group's rank 0 binds it soon after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return sock.getsockname()[1]
+
+
+def describe_exit(returncode: int | None) -> str:
+    """'exit 0', 'exit 3' or 'killed by SIGKILL' for a Popen returncode."""
+    if returncode is None:
+        return "running"
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit {returncode}"
+
+
+def _exit_status(proc: subprocess.Popen) -> int | None:
+    """The returncode if `proc` has ended, WITHOUT reaping it (its pid stays ours); None while it runs."""
+    if proc.returncode is not None:
+        return proc.returncode
+    try:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # already reaped elsewhere: let Popen tell us
+        return proc.poll()
+    if info is None or info.si_pid == 0:
+        return None
+    if info.si_code == os.CLD_EXITED:
+        return info.si_status
+    return -info.si_status
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Send `sig` to the process group (= session) led by `proc`, which we have not reaped yet."""
+    if proc.returncode is not None:  # reaped: its pid may belong to someone else now
+        return
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+class Launcher:
+    """Starts, watches, kills and restarts N replica groups of `nproc_per_group` ranks running `command`.
+
+    Drive it with `poll()` (reaps exits, restarts due groups, returns events) or `run_until_done()`.
+    Every process it starts is ended by `shutdown()` (also on `__exit__`).
+    """
+
+    def __init__(self, command: Sequence[str], num_groups: int, *, nproc_per_group: int = 1,
+                 lighthouse: str | None = None, token: str | None = None, env: Mapping[str, str] | None = None,
+                 restart: bool = True, restart_delay: float = 1.0, log_dir: str | None = None,
+                 on_output: Callable[[int, int, str], None] | None = None,
+                 on_event: Callable[[LaunchEvent], None] | None = None, stop_grace: float = 5.0) -> None:
+        if not command:
+            raise ValueError("Launcher needs a command to run, e.g. [sys.executable, 'train.py']")
+        if num_groups < 1 or nproc_per_group < 1:
+            raise ValueError(f"need at least one group of one rank (got groups={num_groups}, "
+                             f"nproc_per_group={nproc_per_group})")
+        self.command = list(command)
+        self.num_groups = num_groups
+        self.nproc_per_group = nproc_per_group
+        self.lighthouse = lighthouse
+        self.token = token
+        self.base_env = dict(os.environ if env is None else env)
+        self.restart = restart
+        self.restart_delay = restart_delay
+        self.log_dir = log_dir
+        self.on_output = on_output
+        self.on_event = on_event
+        self.stop_grace = stop_grace
+        self.events: list[LaunchEvent] = []
+        self._groups = [_Group(i) for i in range(num_groups)]
+        self._lock = threading.RLock()
+        self._closed = False
+        if log_dir:
+            os.makedirs(log_dir, exist_ok=True)
+
+    # ----------------------------------------------------------------- queries
+
+    def status(self, group: int) -> GroupStatus:
+        g = self._groups[group]
+        inc = g.incarnation
+        return GroupStatus(group=g.index, state=g.state, incarnation=max(0, g.next_incarnation - 1),
+                           kills=g.kills, deaths=g.deaths, detail=g.detail,
+                           pids=tuple(p.pid for p in inc.ranks) if inc else ())
+
+    def statuses(self) -> list[GroupStatus]:
+        return [self.status(i) for i in range(self.num_groups)]
+
+    def running_groups(self) -> list[int]:
+        return [g.index for g in self._groups if g.state == GroupState.RUNNING]
+
+    def lost_groups(self) -> list[int]:
+        return [g.index for g in self._groups if g.state == GroupState.LOST]
+
+    def any_done(self) -> bool:
+        return any(g.state == GroupState.DONE for g in self._groups)
+
+    @property
+    def finished(self) -> bool:
+        """True when no group is running or waiting to restart."""
+        return all(g.state in (GroupState.DONE, GroupState.LOST, GroupState.STOPPED) for g in self._groups)
+
+    @property
+    def succeeded(self) -> bool:
+        return all(g.state == GroupState.DONE for g in self._groups)
+
+    def log_path(self, group: int, rank: int = 0) -> str | None:
+        """Where a rank's output goes when the launcher writes logs to a folder."""
+        if not self.log_dir:
+            return None
+        name = f"group{group}.log" if self.nproc_per_group == 1 else f"group{group}.rank{rank}.log"
+        return os.path.join(self.log_dir, name)
+
+    # ----------------------------------------------------------------- actions
+
+    def start(self) -> None:
+        """Start every group that has not started yet."""
+        for g in self._groups:
+            if g.state == GroupState.PENDING:
+                self.start_group(g.index)
+
+    def start_group(self, group: int) -> None:
+        """Start a fresh incarnation of `group` (no-op while it runs)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("Launcher is shut down; create a new one to start groups")
+            g = self._groups[group]
+            if g.state == GroupState.RUNNING:
+                return
+            number = g.next_incarnation
+            g.next_incarnation += 1
+            inc = _Incarnation(number=number, ranks=[], master_port=free_port())
+            g.incarnation = inc
+            g.state = GroupState.RUNNING
+            g.detail = ""
+            try:
+                for rank in range(self.nproc_per_group):
+                    self._spawn_rank(g, inc, rank)
+            except OSError as exc:
+                self._end_incarnation(g, signal.SIGKILL)
+                g.state = GroupState.LOST
+                g.detail = f"could not start {self.command[0]!r}: {exc}"
+                self._emit("lost", g, g.detail)
+                return
+            pids = ",".join(str(p.pid) for p in inc.ranks)
+            self._emit("started", g, f"pid {pids}, MASTER_PORT {inc.master_port}")
+
+    def kill_group(self, group: int, reason: str = "killed") -> bool:
+        """SIGKILL every process of `group` at once (a machine dying); it restarts unless restart=False."""
+        with self._lock:
+            g = self._groups[group]
+            if g.state != GroupState.RUNNING or g.incarnation is None:
+                return False
+            self._end_incarnation(g, signal.SIGKILL)
+            g.kills += 1
+            self._emit("killed", g, reason)
+            self._after_death(g, reason)
+            return True
+
+    def stop_group(self, group: int, grace: float | None = None) -> None:
+        """End `group` gently (SIGTERM, then SIGKILL after `grace` s); it is not restarted."""
+        with self._lock:
+            g = self._groups[group]
+            if g.state in (GroupState.DONE, GroupState.LOST, GroupState.STOPPED):
+                return
+            if g.state == GroupState.RUNNING and g.incarnation is not None:
+                self._terminate([g], self.stop_grace if grace is None else grace)
+            g.state = GroupState.STOPPED
+            g.detail = "stopped by the launcher"
+            self._emit("stopped", g, g.detail)
+
+    def poll(self) -> list[LaunchEvent]:
+        """Reap ended groups, restart those that are due; return the events since the last poll."""
+        with self._lock:
+            first = len(self.events)
+            now = time.monotonic()
+            for g in self._groups:
+                if g.state == GroupState.RUNNING:
+                    self._check(g)
+                elif g.state == GroupState.RESTARTING and now >= g.restart_at and not self._closed:
+                    if self.any_done():
+                        g.state = GroupState.LOST
+                        g.detail += "; not restarted: other groups already finished"
+                        self._emit("lost", g, g.detail)
+                    else:
+                        self.start_group(g.index)
+            return self.events[first:]
+
+    def run_until_done(self, stop: threading.Event | None = None, *, injector: FailureSource | None = None,
+                       on_tick: Callable[[], None] | None = None, interval: float = 0.1) -> bool:
+        """Poll until every group is done or lost (True) or `stop` is set (False)."""
+        stop = stop or threading.Event()
+        while not stop.is_set():
+            self.poll()
+            if injector is not None:
+                injector.tick(self)
+            if on_tick is not None:
+                on_tick()
+            if self.finished:
+                return True
+            stop.wait(interval)
+        return False
+
+    def shutdown(self, grace: float | None = None) -> None:
+        """End every process this launcher started: SIGTERM, then SIGKILL after `grace` s. Idempotent."""
+        with self._lock:
+            self._closed = True
+            live = [g for g in self._groups if g.state == GroupState.RUNNING and g.incarnation is not None]
+            self._terminate(live, self.stop_grace if grace is None else grace)
+            for g in self._groups:
+                if g.state in (GroupState.RUNNING, GroupState.RESTARTING, GroupState.PENDING):
+                    g.state = GroupState.STOPPED
+                    g.detail = (g.detail + "; " if g.detail else "") + "stopped at shutdown"
+                    self._emit("stopped", g, "stopped at shutdown")
+
+    def __enter__(self) -> Launcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ----------------------------------------------------------------- internals
+
+    def _spawn_rank(self, g: _Group, inc: _Incarnation, rank: int) -> None:
+        env = group_env(self.base_env, group=g.index, num_groups=self.num_groups, rank=rank,
+                        nproc_per_group=self.nproc_per_group, master_port=inc.master_port,
+                        lighthouse=self.lighthouse, token=self.token, restart_count=inc.number)
+        stdout: Any = None
+        path = self.log_path(g.index, rank)
+        if path:
+            log = open(path, "ab")  # noqa: SIM115 - owned by the incarnation, closed when it ends
+            log.write(f"===== group {g.index} rank {rank} incarnation {inc.number} "
+                      f"started {time.strftime('%H:%M:%S')} =====\n".encode())
+            log.flush()
+            inc.logs.append(log)
+            stdout = log
+        elif self.on_output is not None:
+            stdout = subprocess.PIPE
+        proc = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL, stdout=stdout,
+                                stderr=subprocess.STDOUT if stdout is not None else None,
+                                start_new_session=True)
+        inc.ranks.append(proc)
+        if stdout is subprocess.PIPE:
+            reader = threading.Thread(target=self._pump, args=(g.index, rank, proc.stdout),
+                                      name=f"ftl-launch-output-g{g.index}r{rank}", daemon=True)
+            reader.start()
+            inc.readers.append(reader)
+
+    def _pump(self, group: int, rank: int, stream: IO[bytes]) -> None:
+        assert self.on_output is not None
+        with stream:
+            for raw in stream:
+                try:
+                    self.on_output(group, rank, raw.decode("utf-8", "replace").rstrip("\r\n"))
+                except Exception:  # a broken display must not stop the drain (the child would block)
+                    logger.exception("output callback failed for group %d rank %d", group, rank)
+
+    def _check(self, g: _Group) -> None:
+        assert g.incarnation is not None
+        codes = [_exit_status(p) for p in g.incarnation.ranks]
+        failed = [(rank, c) for rank, c in enumerate(codes) if c is not None and c != 0]
+        if failed:
+            rank, code = failed[0]
+            what = describe_exit(code) if self.nproc_per_group == 1 else f"rank {rank} {describe_exit(code)}"
+            self._end_incarnation(g, signal.SIGKILL)  # one rank down = the whole group down
+            self._emit("died", g, what)
+            self._after_death(g, what)
+        elif all(c == 0 for c in codes):
+            self._end_incarnation(g, signal.SIGKILL)  # also ends anything the ranks left behind
+            g.state = GroupState.DONE
+            g.detail = "finished"
+            self._emit("done", g, "all ranks exited 0")
+
+    def _after_death(self, g: _Group, what: str) -> None:
+        g.deaths += 1
+        if self.restart and not self._closed:
+            g.state = GroupState.RESTARTING
+            g.restart_at = time.monotonic() + self.restart_delay
+            g.detail = what
+            self._emit("restarting", g, f"{what}; restarting in {self.restart_delay:g}s")
+        else:
+            g.state = GroupState.LOST
+            g.detail = f"{what}; not restarted (--no-restart)" if not self.restart else what
+            self._emit("lost", g, g.detail)
+
+    def _end_incarnation(self, g: _Group, sig: int) -> None:
+        """Signal every rank's process group with `sig`, then reap the ranks and close their outputs."""
+        inc = g.incarnation
+        if inc is None:
+            return
+        for proc in inc.ranks:
+            _signal_group(proc, sig)
+        for proc in inc.ranks:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # stuck in the kernel: SIGKILL is still on its way
+                logger.error("group %d pid %d did not end 10 s after SIGKILL", g.index, proc.pid)
+        for reader in inc.readers:
+            reader.join(timeout=2)
+        for log in inc.logs:
+            log.close()
+        inc.logs.clear()
+
+    def _terminate(self, groups: list[_Group], grace: float) -> None:
+        """SIGTERM the groups, wait up to `grace` s for them to exit, then SIGKILL whatever is left."""
+        for g in groups:
+            for proc in g.incarnation.ranks if g.incarnation else ():
+                _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + max(0.0, grace)
+        while time.monotonic() < deadline:
+            if all(_exit_status(p) is not None for g in groups for p in (g.incarnation.ranks if g.incarnation else ())):
+                break
+            time.sleep(0.05)
+        for g in groups:
+            self._end_incarnation(g, signal.SIGKILL)
+
+    def _emit(self, kind: str, g: _Group, detail: str) -> None:
+        event = LaunchEvent(kind=kind, group=g.index, incarnation=max(0, g.next_incarnation - 1),
+                            time=time.time(), detail=detail)
+        self.events.append(event)
+        logger.info("group %d %s: %s", g.index, kind, detail)
+        if self.on_event is not None:
+            self.on_event(event)
+
+
+# --------------------------------------------------------------------------- signals
+
+class StopSignals:
+    """Turns SIGINT/SIGTERM/SIGHUP into a stop request (a flag, so no spawn is ever interrupted halfway).
+
+    Installed only from the main thread; `restore()` puts the previous handlers back.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.received: int | None = None
+        self.count = 0
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.count += 1
+        if self.received is None:
+            self.received = signum
+        self.event.set()
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal number, as a shell reports it (130 for Ctrl-C)."""
+        return 128 + (self.received or signal.SIGINT)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def __enter__(self) -> StopSignals:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()

@@ -1,0 +1,292 @@
+"""HTTPTransport on loopback: real servers, a real damaging proxy, real threads for the peers."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from ft_core.checkpointing import HTTPTransport
+from ft_core.errors import AuthError, CheckpointError, FTTimeoutError
+from tests.test_serialization import assert_same, nasty_state
+
+SECOND = timedelta(seconds=1)
+LONG = timedelta(seconds=20)
+
+
+def big_state(n: int = 4, numel: int = 1 << 18) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return {f"layer{i}.weight": torch.randn(numel, generator=gen) for i in range(n)}
+
+
+class DamagingProxy:
+    """A TCP proxy that flips a byte at, or cuts the stream after, a position of each response stream."""
+
+    def __init__(self, upstream: str, *, flip_at: int | None = None, cut_after: int | None = None) -> None:
+        host, port = upstream.rsplit("/", 1)[-1].split(":")
+        self.upstream = (host, int(port))
+        self.flip_at, self.cut_after = flip_at, cut_after
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.sockets: list[socket.socket] = []
+        self.threads: list[threading.Thread] = []
+        self.closed = False
+        self._spawn(self._accept, "proxy-accept")
+
+    def _spawn(self, target: Callable[..., None], name: str, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, name=f"test-{name}", daemon=True)
+        self.threads.append(thread)
+        thread.start()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream)
+            self.sockets += [client, server]
+            self._spawn(self._pump, "proxy-up", client, server, False)
+            self._spawn(self._pump, "proxy-down", server, client, True)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, damage: bool) -> None:
+        seen = 0
+        try:
+            while True:
+                data = bytearray(src.recv(1 << 16))
+                if not data:
+                    break
+                if damage and self.flip_at is not None and seen <= self.flip_at < seen + len(data):
+                    data[self.flip_at - seen] ^= 0x01
+                if damage and self.cut_after is not None and seen + len(data) > self.cut_after:
+                    dst.sendall(data[:max(0, self.cut_after - seen)])
+                    break
+                dst.sendall(data)
+                seen += len(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() blocked in our thread
+        except OSError:
+            pass
+        self.listener.close()
+        for sock in self.sockets:
+            sock.close()
+        for thread in self.threads:
+            thread.join(5)
+
+    def __enter__(self) -> "DamagingProxy":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@pytest.fixture
+def source() -> HTTPTransport:
+    with HTTPTransport(timeout=LONG, chunk_bytes=1 << 16) as transport:
+        yield transport
+
+
+def test_nasty_state_round_trips_in_parallel_chunks(source: HTTPTransport) -> None:
+    state = nasty_state()
+    source.send_checkpoint([1], 7, state, LONG)
+    with HTTPTransport(timeout=LONG, num_connections=3) as healer:
+        out = healer.recv_checkpoint(0, source.metadata(), 7, LONG)
+    assert_same(state, out)
+    assert out["row_view"].untyped_storage().data_ptr() == out["base"].untyped_storage().data_ptr()
+
+
+def test_one_source_heals_two_receivers_then_one() -> None:
+    """The reference's multi-recovery contract: 1 -> 2 concurrently, then 1 -> 1 at a later step."""
+    with HTTPTransport(timeout=LONG, chunk_bytes=1 << 17) as src, HTTPTransport(timeout=LONG) as a, \
+            HTTPTransport(timeout=LONG) as b:
+        first = {"model": big_state(), "step": 1, "name": "first", "extra": (1, "x")}
+        results: dict[str, Any] = {}
+
+        def heal(name: str, transport: HTTPTransport, step: int) -> None:
+            try:
+                results[name] = transport.recv_checkpoint(0, src.metadata(), step, LONG)
+            except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+                results[name] = exc
+
+        threads = [threading.Thread(target=heal, args=(n, t, 1), name=f"test-heal-{n}") for n, t in (("a", a), ("b", b))]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.05)  # receivers ask before the source stages: they must wait for it
+        src.send_checkpoint([1, 2], 1, first, LONG)
+        for thread in threads:
+            thread.join(30)
+        assert_same(first, results["a"])
+        assert_same(first, results["b"])
+        src.disallow_checkpoint()
+
+        second = {"model": {k: v + 1 for k, v in first["model"].items()}, "step": 2}
+        src.send_checkpoint([2], 2, second, LONG)
+        assert_same(second, b.recv_checkpoint(0, src.metadata(), 2, LONG))
+        src.disallow_checkpoint()
+
+
+def test_receive_timeout_of_10ms_raises_timeout_error_quickly(source: HTTPTransport) -> None:
+    with HTTPTransport(timeout=LONG) as healer:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError) as info:
+            healer.recv_checkpoint(0, source.metadata(), 3, timedelta(milliseconds=10))
+    assert time.monotonic() - start < 1.0
+    assert isinstance(info.value, FTTimeoutError) and "no checkpoint is staged" in str(info.value)
+
+
+def test_wrong_step_is_a_clear_checkpoint_error(source: HTTPTransport) -> None:
+    source.send_checkpoint([1], 4, {"w": torch.ones(3)}, LONG)
+    with HTTPTransport(timeout=LONG) as healer:
+        with pytest.raises(CheckpointError, match="serves step 4, not step 5"):
+            healer.recv_checkpoint(0, source.metadata(), 5, LONG)
+
+
+def test_disallowed_checkpoint_is_no_longer_served(source: HTTPTransport) -> None:
+    source.send_checkpoint([1], 4, {"w": torch.ones(3)}, LONG)
+    source.disallow_checkpoint()
+    with HTTPTransport(timeout=LONG) as healer, pytest.raises(TimeoutError, match="no checkpoint is staged"):
+        healer.recv_checkpoint(0, source.metadata(), 4, timedelta(milliseconds=300))
+
+
+@pytest.mark.parametrize("damage", [{"flip_at": 70_000}, {"flip_at": 200_000}, {"cut_after": 100_000}],
+                         ids=["flip-first-chunk", "flip-later-chunk", "truncate"])
+def test_damaged_bytes_fail_on_the_healer_while_the_source_keeps_serving(source: HTTPTransport, damage) -> None:
+    state = big_state(numel=1 << 16)
+    source.send_checkpoint([1], 9, state, LONG)
+    with DamagingProxy(source.metadata(), **damage) as proxy, HTTPTransport(timeout=LONG, num_connections=1) as healer:
+        start = time.monotonic()
+        with pytest.raises(CheckpointError, match="checksum|truncated"):
+            healer.recv_checkpoint(0, proxy.url, 9, LONG)
+        assert time.monotonic() - start < 5
+        assert_same(state, healer.recv_checkpoint(0, source.metadata(), 9, LONG))
+
+
+@pytest.mark.parametrize("healer_token", [None, "wrong"])
+def test_wrong_or_missing_token_is_rejected(healer_token: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FT_TOKEN", raising=False)
+    with HTTPTransport(timeout=LONG, token="s3cret") as src, HTTPTransport(timeout=LONG, token=healer_token) as healer:
+        src.send_checkpoint([1], 1, {"w": torch.ones(2)}, LONG)
+        with pytest.raises(AuthError, match="HTTP 401"):
+            healer.recv_checkpoint(0, src.metadata(), 1, LONG)
+        with HTTPTransport(timeout=LONG, token="s3cret") as friend:
+            assert torch.equal(friend.recv_checkpoint(0, src.metadata(), 1, LONG)["w"], torch.ones(2))
+
+
+def test_token_comes_from_ft_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FT_TOKEN", "from-env")
+    with HTTPTransport(timeout=LONG) as src, HTTPTransport(timeout=LONG) as healer:
+        src.send_checkpoint([1], 1, {"w": torch.ones(2)}, LONG)
+        assert torch.equal(healer.recv_checkpoint(0, src.metadata(), 1, LONG)["w"], torch.ones(2))
+        monkeypatch.setenv("FT_TOKEN", "other")
+        with HTTPTransport(timeout=LONG) as stranger, pytest.raises(AuthError):
+            stranger.recv_checkpoint(0, src.metadata(), 1, LONG)
+
+
+def test_in_place_receive_fills_the_local_tensors(source: HTTPTransport) -> None:
+    state = {"model": big_state(n=2), "bias": torch.arange(4.0)[::2], "opt": {"lr": 0.5}}
+    source.send_checkpoint([1], 2, state, LONG)
+    local = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "bias": torch.zeros(2)}
+    with HTTPTransport(timeout=LONG, state_dict=lambda: local) as healer:
+        out = healer.recv_checkpoint(0, source.metadata(), 2, LONG)
+    assert_same(state, out)
+    for key, tensor in local["model"].items():
+        assert out["model"][key] is tensor  # received straight into the local memory
+    assert out["bias"] is local["bias"]  # a strided source view is copied into the local tensor
+
+
+def test_receiver_never_sees_a_torn_state_when_the_source_mutates_after_disallow(source: HTTPTransport) -> None:
+    state = big_state(n=8, numel=1 << 16)
+    original = {k: v.clone() for k, v in state.items()}
+    source.send_checkpoint([1], 3, state, LONG)
+    outcome: dict[str, Any] = {}
+    with DamagingProxy(source.metadata()) as proxy, HTTPTransport(timeout=LONG, num_connections=1) as healer:
+        def heal() -> None:
+            try:
+                outcome["state"] = healer.recv_checkpoint(0, proxy.url, 3, LONG)
+            except CheckpointError as exc:
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=heal, name="test-heal")
+        thread.start()
+        time.sleep(0.02)
+        source.disallow_checkpoint()
+        for tensor in state.values():  # the optimizer step, once disallow has returned
+            tensor.add_(1.0)
+        thread.join(30)
+    assert "state" in outcome or "error" in outcome
+    if "state" in outcome:
+        assert_same(original, outcome["state"])
+    else:
+        assert "503" in str(outcome["error"]) or "truncated" in str(outcome["error"])
+
+
+def test_bad_source_address_is_a_clear_error() -> None:
+    with HTTPTransport(timeout=LONG) as healer, pytest.raises(CheckpointError, match="not http://host:port"):
+        healer.recv_checkpoint(0, "grpc://127.0.0.1", 1, SECOND)
+
+
+def test_dead_source_fails_fast() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound, never listening: connections are refused
+        with HTTPTransport(timeout=LONG) as healer:
+            start = time.monotonic()
+            with pytest.raises(CheckpointError, match="refused"):
+                healer.recv_checkpoint(0, f"http://127.0.0.1:{port}", 1, LONG)
+            assert time.monotonic() - start < 2
+
+
+def test_silent_source_times_out_on_time() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # accepts connections, never answers
+        with HTTPTransport(timeout=LONG) as healer:
+            start = time.monotonic()
+            with pytest.raises(TimeoutError, match="longer than the 0.3s timeout"):
+                healer.recv_checkpoint(0, f"http://127.0.0.1:{listener.getsockname()[1]}", 1,
+                                       timedelta(milliseconds=300))
+            assert time.monotonic() - start < 2.3
+
+
+def test_shutdown_joins_every_thread_it_started() -> None:
+    transport = HTTPTransport(timeout=LONG)
+    transport.send_checkpoint([1], 1, {"w": torch.ones(2)}, LONG)
+    with HTTPTransport(timeout=LONG) as healer:
+        healer.recv_checkpoint(0, transport.metadata(), 1, LONG)
+    transport.shutdown()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("ftl-ckpt")]
+    with pytest.raises(CheckpointError, match="shut down"):
+        transport.send_checkpoint([1], 2, {}, LONG)
+
+
+def test_server_binds_loopback_by_default() -> None:
+    with HTTPTransport(timeout=LONG) as transport:
+        assert transport.metadata().startswith("http://127.0.0.1:")
+        assert transport._server.server_address[0] == "127.0.0.1"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_are_staged_to_pinned_host_memory() -> None:
+    state = {"w": torch.randn(1 << 20, device="cuda"), "b": torch.arange(5, device="cuda")}
+    expected = {k: v.cpu() for k, v in state.items()}
+    with HTTPTransport(timeout=LONG) as src, HTTPTransport(timeout=LONG) as healer:
+        src.send_checkpoint([1], 1, state, LONG)
+        out = healer.recv_checkpoint(0, src.metadata(), 1, LONG)
+        src.disallow_checkpoint()
+        state["w"].add_(1)  # ordered after the staging copies by disallow_checkpoint
+        torch.cuda.synchronize()
+    assert_same(expected, out)
