@@ -36,7 +36,7 @@ from typing import Any
 
 from ft_core.chaos_checks import LogTail, check_run, heal_fault_outcomes, heal_stats, read_run
 from ft_core.chaos_worker import EXIT_FILE
-from ft_core.launch import GroupState, LaunchEvent, Launcher, free_port
+from ft_core.launcher import GroupState, LaunchEvent, Launcher, StopSignals, free_port
 
 logger = logging.getLogger(__name__)
 
@@ -275,11 +275,19 @@ class ChaosRun:
         self.next_fault_at = time.monotonic() + self.rng.uniform(0.5, 1.5) * self.cfg.interval
         self.say(f"fault {fault.index}/{self.cfg.faults} [bold]{kind}[/bold] {target} {detail}".rstrip())
 
-    def _victim(self) -> int | None:
+    def up_to_date(self) -> list[int]:
+        """Up groups at the highest step any up group has logged: the holders of the latest state."""
         up = self.up_groups()
-        if len(up) - 1 < self.cfg.min_replicas:
+        top = max((self._current(g).last_step for g in up), default=0)
+        return [g for g in up if self._current(g).last_step >= top]
+
+    def _victim(self) -> int | None:
+        """A group to kill or stop such that min_replicas up-to-date groups remain: the latest state
+        always survives (losing every copy of it is not a fault the system can mask) and training goes on."""
+        holders = self.up_to_date()
+        if len(holders) - 1 < self.cfg.min_replicas:
             return None
-        return self.rng.choice(up)
+        return self.rng.choice(holders)
 
     def _kill(self, group: int, kind: str, detail: str = "", **where: Any) -> None:
         step = self._current(group).last_step
@@ -340,9 +348,9 @@ class ChaosRun:
             self._kill(receiver, kind, f"receiving step {start.get('step')} from {start.get('source')}", **where)
             return
         source = self._group_at(str(start.get("source")))
-        if source is None or source == receiver or self.launcher.status(source).state != GroupState.RUNNING \
-                or (self.stopped is not None and self.stopped.group == source):
-            return
+        holders = self.up_to_date()
+        if source is None or source == receiver or source not in holders or len(holders) < 2:
+            return  # only while another group still holds the latest state
         self.armed = None
         self._kill(source, kind, f"sending step {start.get('step')} to group {receiver}", **where)
 
@@ -583,7 +591,6 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         console.print(f"[red]ftl chaos: {exc}[/red]")
         return 2
-    from ft_core.launch import StopSignals
 
     with StopSignals() as stop:  # Ctrl-C ends the run early, still with a verdict and no process left
         summary = ChaosRun(cfg, console=console, stop=stop.event).run()

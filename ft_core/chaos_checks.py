@@ -98,17 +98,28 @@ def read_run(out_dir: str) -> list[Incarnation]:
 
 
 def check_digests(incarnations: list[Incarnation]) -> list[str]:
-    """Every incarnation that committed step s has the same digest for s."""
-    problems = []
+    """Every incarnation that committed step s has the same digest for s (reported as step ranges)."""
     first: dict[int, tuple[str, str]] = {}
+    clashes: dict[tuple[str, str], list[int]] = {}
     for inc in incarnations:
         for rec in inc.steps:
             step, digest = int(rec["step"]), str(rec["digest"])
             seen = first.setdefault(step, (digest, inc.name))
             if seen[0] != digest:
-                problems.append(f"divergence at step {step}: {seen[1]} has digest {seen[0][:16]}, "
-                                f"{inc.name} has {digest[:16]}")
-    return problems
+                clashes.setdefault((seen[1], inc.name), []).append(step)
+    return [f"divergence: {a} and {b} hold different digests for {len(steps)} committed step(s) "
+            f"{format_steps(steps)}" for (a, b), steps in clashes.items()]
+
+
+def format_steps(steps: list[int]) -> str:
+    """[3, 4, 5, 9] -> '3..5, 9'."""
+    ranges: list[list[int]] = []
+    for step in sorted(steps):
+        if ranges and step == ranges[-1][1] + 1:
+            ranges[-1][1] = step
+        else:
+            ranges.append([step, step])
+    return ", ".join(f"{a}..{b}" if a != b else str(a) for a, b in ranges)
 
 
 def check_monotonic(incarnations: list[Incarnation]) -> list[str]:

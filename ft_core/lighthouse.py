@@ -79,7 +79,7 @@ class _LighthouseService:
     def __init__(self, core: LighthouseCore, loop: asyncio.AbstractEventLoop) -> None:
         self._core = core
         self._loop = loop
-        self._loop_thread: int | None = None
+        self._loop_thread = threading.get_ident()  # built by _start(), on the loop's own thread
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         """The service's method handlers (as ft_pb2_grpc registers them, with pass-through serializers)."""
@@ -111,7 +111,6 @@ class _LighthouseService:
         return wake
 
     async def Quorum(self, request: ft_pb2.LighthouseQuorumRequest, context: grpc.aio.ServicerContext) -> bytes:
-        self._loop_thread = threading.get_ident()
         member = QuorumMember.from_pb(request.requester) if request.HasField("requester") else None
         problem = member_problem(member)
         if problem is not None:
@@ -137,7 +136,6 @@ class _LighthouseService:
 
     async def Heartbeat(self, request: ft_pb2.LighthouseHeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> bytes:
-        self._loop_thread = threading.get_ident()
         problem = replica_id_problem(request.replica_id)
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lighthouse Heartbeat: {problem}")
@@ -146,7 +144,6 @@ class _LighthouseService:
 
     async def HeartbeatStream(self, requests: AsyncIterator[ft_pb2.LighthouseHeartbeatRequest],
                               context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-        self._loop_thread = threading.get_ident()
         token = object()
         replica_id: str | None = None
         why = "broke (connection dropped)"

@@ -24,7 +24,12 @@ def gloo_group(world_size: int, timeout: timedelta = LONG) -> list[Any]:
     groups: list[Any] = [None] * world_size
 
     def make(rank: int) -> None:
-        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("pgt", store), rank, world_size, timeout)
+        # each rank its own store client: one client's blocking get would stall the others
+        client = store if rank == 0 else dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=LONG)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("pgt", client), rank, world_size, options)
 
     threads = [threading.Thread(target=make, args=(r,), name=f"test-gloo-{r}") for r in range(world_size)]
     for thread in threads:

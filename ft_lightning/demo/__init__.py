@@ -96,6 +96,7 @@ class DemoRun:
         self.t0 = time.time()
         self.phase = "starting"
         self.train_start: float | None = None
+        self.warmup_s = 0.0
         self.deadline = 0.0  # monotonic; meaning depends on the phase
         self.target_step: int | None = None
         self.failure: str | None = None
@@ -155,8 +156,11 @@ class DemoRun:
         for g, s in self.series.items():
             st = self.launcher.status(g)
             mine = [o for o in outcomes if o["group"] == g]
+            state = group_state(st.state, s, st.incarnation, now)
+            if state == "waiting" and self.target_step is not None and (s.last_step or 0) >= self.target_step:
+                state = "stopping"
             rows.append(GroupRow(
-                group=g, state=group_state(st.state, s, st.incarnation, now), step=s.last_step,
+                group=g, state=state, step=s.last_step,
                 loss=s.last_loss,
                 quorum_id=s.quorum_id[-1] if s.quorum_id else None,
                 participants=s.num_participants[-1] if s.num_participants else None,
@@ -181,19 +185,18 @@ class DemoRun:
         if self.phase == "starting":
             if any(s.step for s in self.series.values()):
                 self.train_start = time.time()
-                warmup = now - self._start_mono
+                self.warmup_s = now - self._start_mono
                 self.phase = "training"
                 self.deadline = now + self.args.duration
-                self.note(f"training started after {warmup:.1f}s of start-up; {self.args.duration:g}s to go")
+                self.note(f"training started after {self.warmup_s:.1f}s of start-up; {self.args.duration:g}s to go")
                 if self.injector is not None:
                     self.injector.arm(now)
-                    tail = min(max(warmup, 5.0), self.args.duration / 3)  # a late victim must have time to heal
-                    self.injector.stop_at = self.deadline - tail
             elif now - self._start_mono > STARTUP_TIMEOUT_S:
                 return self._fail(f"no group committed a step in {STARTUP_TIMEOUT_S:.0f}s; "
                                   f"see the logs in {self.args.log_dir}")
         elif self.phase == "training":
             if self.injector is not None:
+                self.injector.stop_at = self.deadline - self._kill_tail()
                 record = self.injector.tick(self.launcher, now)
                 if record is not None:
                     self.kills.append({"index": record.index, "group": record.group,
@@ -219,6 +222,16 @@ class DemoRun:
         if self.display is not None:
             self.display.update(self.view())
         return False
+
+    def _kill_tail(self) -> float:
+        """No failure in the last seconds of training: the last victim needs them to come back and heal.
+
+        As long as a restart has taken so far (twice the start-up before the first one), within
+        [5 s, duration / 3].
+        """
+        back = [o["recovery_s"] for o in failure_outcomes(self.series, self.kills) if o["recovery_s"] is not None]
+        estimate = max(back) if back else 2 * self.warmup_s
+        return min(max(estimate, 5.0), self.args.duration / 3)
 
     def _write_stop_step(self) -> None:
         steps = step_times(self.series)
