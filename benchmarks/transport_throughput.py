@@ -153,7 +153,7 @@ def bench_http(nbytes: int, reps: int) -> dict[str, float]:
         if proc.is_alive():
             proc.kill()
             proc.join(10)
-    return {f"{k}_s": statistics.median(v) for k, v in out.items()} | {"bytes": total}
+    return {"bytes": total, **{f"{k}_times": v for k, v in out.items()}}
 
 
 # ---------------------------------------------------------------- PG transport over two processes
@@ -184,10 +184,10 @@ def _pg_main(rank: int, port: int, nbytes: int, reps: int, conn: Any) -> None:
             times.append(time.perf_counter() - start)
             del result
     if rank == 1:
-        conn.send(statistics.median(times))
+        conn.send(times)
 
 
-def bench_pg(nbytes: int, reps: int) -> float:
+def bench_pg(nbytes: int, reps: int) -> list[float]:
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
@@ -220,12 +220,15 @@ def run(quick: bool = False, sizes: list[int] | None = None, reps: int | None = 
     for nbytes in sizes:
         label = f"{nbytes / (1 << 20):.0f}MB" if nbytes < 1 << 30 else f"{nbytes / (1 << 30):.0f}GB"
         http = bench_http(nbytes, reps)
-        pg_s = bench_pg(nbytes, reps)
         total = http["bytes"]
-        row = {"bytes": total, "raw_tcp_s": http["raw_s"], "http_fresh_s": http["fresh_s"],
-               "http_inplace_s": http["inplace_s"], "pg_s": pg_s}
-        for key in ("raw_tcp", "http_fresh", "http_inplace", "pg"):
-            row[f"{key}_gbps"] = total / row[f"{key}_s"] / 1e9
+        times = {"raw_tcp": http["raw_times"], "http_fresh": http["fresh_times"],
+                 "http_inplace": http["inplace_times"], "pg": bench_pg(nbytes, reps)}
+        row: dict[str, Any] = {"bytes": total}
+        for key, values in times.items():  # the machine is shared: best shows capability, median typical
+            row[f"{key}_s"] = min(values)
+            row[f"{key}_median_s"] = statistics.median(values)
+            row[f"{key}_gbps"] = total / min(values) / 1e9
+            row[f"{key}_median_gbps"] = total / statistics.median(values) / 1e9
         row["http_inplace_vs_raw"] = row["http_inplace_gbps"] / row["raw_tcp_gbps"]
         row["http_fresh_vs_raw"] = row["http_fresh_gbps"] / row["raw_tcp_gbps"]
         results[label] = row
@@ -241,16 +244,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else None
     report = run(quick=args.quick, sizes=sizes, reps=args.reps)
-    print(f"checkpoint transport throughput on loopback ({report['cpus']} CPUs, median of {report['reps']}); "
+    print(f"checkpoint transport throughput on loopback ({report['cpus']} CPUs, best of {report['reps']}, "
+          "median in brackets); "
           f"target >= {TARGET_GBPS} GB/s for 1 GB over HTTP; {REFERENCE}")
-    header = f"{'size':>6} | {'raw TCP':>14} | {'HTTP fresh':>14} | {'HTTP in place':>14} | {'PG (Gloo)':>14} | " \
+    header = f"{'size':>6} | {'raw TCP':>22} | {'HTTP fresh':>22} | {'HTTP in place':>22} | {'PG (Gloo)':>22} | " \
              f"{'in place/raw':>12}"
     print(header)
     print("-" * len(header))
     for label, row in report["sizes"].items():
-        cells = [f"{row[k + '_s']:.3f}s {row[k + '_gbps']:.2f}GB/s" for k in ("raw_tcp", "http_fresh",
-                                                                              "http_inplace", "pg")]
-        print(f"{label:>6} | " + " | ".join(f"{c:>14}" for c in cells) + f" | {row['http_inplace_vs_raw']:>12.2f}")
+        cells = [f"{row[k + '_s']:.3f}s {row[k + '_gbps']:.2f} ({row[k + '_median_gbps']:.2f}) GB/s"
+                 for k in ("raw_tcp", "http_fresh", "http_inplace", "pg")]
+        print(f"{label:>6} | " + " | ".join(f"{c:>22}" for c in cells) + f" | {row['http_inplace_vs_raw']:>12.2f}")
     return 0
 
 

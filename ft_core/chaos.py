@@ -67,6 +67,7 @@ class ChaosConfig:
     restart_delay: float = 0.5
     step_sleep: float = 0.05
     heal_wait: float = 90.0  # an armed heal fault gives up after this long
+    stall: float = 180.0  # no group committing a new highest step for this long ends the run as failed
     kinds: tuple[str, ...] = FAULT_KINDS
     token: str | None = field(default=None, repr=False)
 
@@ -178,7 +179,7 @@ class ChaosRun:
         self.cfg = cfg = dataclasses.replace(cfg, token=cfg.token or secrets.token_hex(16))
         os.makedirs(cfg.out, exist_ok=True)
         for name in os.listdir(cfg.out):
-            if name.endswith(".jsonl") or name in (EXIT_FILE, "summary.json"):
+            if name.endswith(".jsonl") or name in (EXIT_FILE, EXIT_FILE + ".tmp", "summary.json"):
                 os.remove(os.path.join(cfg.out, name))
         self.console = console
         self.stop = stop or threading.Event()
@@ -423,6 +424,7 @@ class ChaosRun:
         deadline = self.started + cfg.duration
         phase = "faults"
         final_deadline: float | None = None
+        progress = (0, time.monotonic())  # (highest step, when it was first seen)
         self.say(f"chaos: {cfg.groups} groups, {cfg.faults} faults, seed {cfg.seed}, min_replicas "
                  f"{cfg.min_replicas}, out {cfg.out}")
         try:
@@ -450,12 +452,20 @@ class ChaosRun:
                     self.say(f"converged at step {self.max_step()}; training to step {self.target}")
                 if phase == "train" and all(self._current(g).last_step >= (self.target or 0)
                                             for g in range(cfg.groups)):
-                    with open(os.path.join(cfg.out, EXIT_FILE), "w") as f:
-                        f.write(str(self.target))
+                    last = self.max_step() + 5  # every group stops after committing this same step
+                    with open(os.path.join(cfg.out, EXIT_FILE + ".tmp"), "w") as f:
+                        f.write(str(last))
+                    os.replace(os.path.join(cfg.out, EXIT_FILE + ".tmp"), os.path.join(cfg.out, EXIT_FILE))
                     phase = "exit"
                     final_deadline = now + cfg.quorum_timeout + 3 * cfg.timeout + 30
-                    self.say(f"every group reached step {self.target}; asking them to exit")
+                    self.say(f"every group reached step {self.target}; asking them to exit after step {last}")
                 if phase == "exit" and self.launcher.finished:
+                    break
+                if self.max_step() > progress[0]:
+                    progress = (self.max_step(), now)
+                elif now - progress[1] > cfg.stall and phase != "exit":
+                    self.unexpected.append(f"no progress: the highest committed step stayed {progress[0]} for "
+                                           f"{cfg.stall:.0f}s (phase {phase!r}); see the workers' logs in {cfg.out}")
                     break
                 if self.stop.is_set():
                     self.unexpected.append(f"interrupted by a signal in phase {phase!r}")

@@ -13,7 +13,8 @@ records keyed by "kind":
 - "send" / "recv_start" / "recv_done" / "recv_failed": the checkpoint transport at work (heals).
 - "drop" / "delay": faults the chaos transport injected on this source.
 - "step_error": a step raised (e.g. no lighthouse reachable); the loop goes on.
-- "exit": the loop ended because the harness wrote DIR/exit.
+- "exit": the loop ended: the group committed the step the harness wrote to DIR/exit (every group
+  stops after that same commit, so none is left waiting for a quorum).
 
 The checkpoint transport is `ChaosHTTPTransport`: the production HTTPTransport with a fault hook on
 its serving side (a delay before each request, a random dropped connection), so heals run slowly
@@ -144,6 +145,15 @@ def batch(seed: int, step: int, rank: int | None, size: int, features: int) -> t
     return x, y
 
 
+def exit_step(path: str) -> int | float:
+    """The step after which to exit, once the harness has written it to the exit file."""
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (FileNotFoundError, ValueError):  # not written yet, or being written
+        return float("inf")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ft_core.chaos_worker", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -205,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
 
     exit_file = os.path.join(args.out, EXIT_FILE)
     try:
-        while not os.path.exists(exit_file):
+        while manager.current_step() < exit_step(exit_file):
             step = manager.current_step()
             try:
                 optimizer.zero_grad()

@@ -122,6 +122,7 @@ class _LighthouseService:
         answered = self._loop.create_future()
         waiter = Waiter(member, self._waker(answered))
         self._core.join(waiter)
+        cancelled = False
         try:
             if waiter.issued is None:
                 await asyncio.wait((answered,), timeout=max(remaining, 0.0))
@@ -131,8 +132,11 @@ class _LighthouseService:
                                           + ("(lighthouse shutting down)" if self._core.closed else
                                              "before the deadline"))
             return waiter.issued.response()
-        finally:  # answered, deadline, or the caller went away (the task is cancelled)
-            self._core.leave(waiter)
+        except asyncio.CancelledError:  # the caller went away: its connection dropped, or it cancelled
+            cancelled = True
+            raise
+        finally:  # answered, deadline, or cancelled
+            self._core.leave(waiter, cancelled=cancelled)
 
     async def Heartbeat(self, request: ft_pb2.LighthouseHeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> bytes:

@@ -79,6 +79,7 @@ class LighthouseClient:
         self._token = resolve_str(token, "FT_TOKEN", None)
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
+        self._stubs: dict[str, ft_pb2_grpc.LighthouseServiceStub] = {}
         self._ready: set[str] = set()
         self._preferred = 0
         self._streams: list[HeartbeatStreamHandle] = []
@@ -109,10 +110,24 @@ class LighthouseClient:
         self._reset(addr)
         return False
 
+    def _stub(self, addr: str) -> ft_pb2_grpc.LighthouseServiceStub:
+        """The stub over `addr`'s channel, built once per channel (building one per call costs a hop's worth)."""
+        stub = self._stubs.get(addr)
+        if stub is None:
+            channel = self._channel(addr)
+            with self._lock:
+                stub = self._stubs.get(addr)
+                if stub is None or self._channels.get(addr) is not channel:
+                    stub = ft_pb2_grpc.LighthouseServiceStub(channel)
+                    if self._channels.get(addr) is channel:
+                        self._stubs[addr] = stub
+        return stub
+
     def _reset(self, addr: str) -> None:
         """Forget a failed channel so the next attempt opens a fresh connection at once."""
         with self._lock:
             self._ready.discard(addr)
+            self._stubs.pop(addr, None)
             channel = self._channels.pop(addr, None)
         if channel is not None:
             channel.close()
@@ -141,7 +156,7 @@ class LighthouseClient:
                     first_failure = first_failure or now
                     continue
                 try:
-                    response = call(invoke(ft_pb2_grpc.LighthouseServiceStub(self._channel(addr))), request,
+                    response = call(invoke(self._stub(addr)), request,
                                     peer=addr, name=f"LighthouseService.{name}", timeout=deadline - time.monotonic(),
                                     token=self._token)
                 except RPCError as exc:
@@ -194,6 +209,7 @@ class LighthouseClient:
         with self._lock:
             self._closed = True
             channels, self._channels = self._channels, {}
+            self._stubs.clear()
             self._ready.clear()
         for channel in channels.values():
             channel.close()

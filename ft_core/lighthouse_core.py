@@ -92,9 +92,12 @@ class LighthouseCore:
         self._waiters: dict[str, list[Waiter]] = {}
         self._heartbeats: dict[str, float] = {}
         self._streams: dict[str, object] = {}  # replica_id -> token of its current heartbeat stream
+        self._dead: dict[str, float] = {}  # replica_id -> when its stream broke; cleared when it heartbeats again
         self._known: dict[str, QuorumMember] = {}  # last member info each replica sent
         self._expired: set[str] = set()  # replicas whose heartbeat expiry was already counted
         self._prev: Quorum | None = None
+        self._first_join = float("inf")  # earliest join among the waiting (never later than the true one)
+        self._straggler: str | None = None  # a previous-quorum member last seen not waiting
         self._quorum_id = 0
         self._issued = 0
         self._last_reason = ""
@@ -103,21 +106,38 @@ class LighthouseCore:
     # -- inputs -------------------------------------------------------------------------------
 
     def join(self, waiter: Waiter) -> None:
-        """A Quorum call arrived: upsert the member (counts as a heartbeat) and decide at once."""
+        """A Quorum call arrived: upsert the member and decide at once.
+
+        It counts as a heartbeat, except from a replica whose heartbeat stream broke and has not
+        reopened: such a call may come from the dead connection, handled after the stream's end.
+        """
         now = time.monotonic()
         member = waiter.member
         with self._lock:
             rid = member.replica_id
-            self._heartbeats[rid] = now
-            self._expired.discard(rid)
+            if rid not in self._dead:
+                self._heartbeats[rid] = now
+                self._expired.discard(rid)
             self._known[rid] = member
             before = self._waiting.get(rid)
-            self._waiting[rid] = Joined(member, before.joined_at if before else now)
+            joined_at = before.joined_at if before else now
+            self._add_waiting_locked(Joined(member, joined_at))
             self._waiters.setdefault(rid, []).append(waiter)
-            self._decide_locked(now)
+            if not self._still_waiting_locked(now):
+                self._decide_locked(now)
 
-    def leave(self, waiter: Waiter) -> None:
-        """A Quorum call ended (answered, deadline, cancel): stop waiting for it."""
+    def _add_waiting_locked(self, joined: Joined) -> None:
+        self._waiting[joined.member.replica_id] = joined
+        first = joined.joined_at if len(self._waiting) == 1 else min(self._first_join, joined.joined_at)
+        self._first_join = first
+
+    def leave(self, waiter: Waiter, cancelled: bool = False) -> None:
+        """A Quorum call ended (answered, deadline, or `cancelled`: the caller went away): stop waiting for it.
+
+        A cancelled call from a replica without an open heartbeat stream also withdraws the heartbeat
+        its join counted: the caller's process may have died before its stream connected, and nothing
+        else would tell us (survivors would wait heartbeat_timeout for it).
+        """
         with self._lock:
             rid = waiter.member.replica_id
             waiters = self._waiters.get(rid)
@@ -126,6 +146,10 @@ class LighthouseCore:
                 if not waiters:
                     del self._waiters[rid]
                     self._waiting.pop(rid, None)
+                    if cancelled and rid not in self._streams and self._heartbeats.pop(rid, None) is not None:
+                        self._expired.discard(rid)
+                        logger.info("replica %s treated as dead: its quorum call was cancelled and it has no "
+                                    "heartbeat stream", rid, extra={"replica_id": rid, "event": "replica_dead"})
                     if not self._closed:
                         self._decide_locked(time.monotonic())
 
@@ -133,6 +157,7 @@ class LighthouseCore:
         """A heartbeat (unary or stream message): the replica is alive now."""
         now = time.monotonic()
         with self._lock:
+            self._dead.pop(replica_id, None)
             seen = self._heartbeats.get(replica_id)
             self._heartbeats[replica_id] = now
             revived = seen is None or now - seen >= self._rules.heartbeat_timeout_s
@@ -141,7 +166,7 @@ class LighthouseCore:
             self._expired.discard(replica_id)
             waiters = self._waiters.get(replica_id)
             if waiters and replica_id not in self._waiting:  # declared dead while its call still waited
-                self._waiting[replica_id] = Joined(waiters[-1].member, now)
+                self._add_waiting_locked(Joined(waiters[-1].member, now))
             if replica_id in self._waiting:
                 self._decide_locked(now)
 
@@ -149,6 +174,7 @@ class LighthouseCore:
         """A heartbeat stream sent its first message: it is now this replica's liveness signal."""
         with self._lock:
             self._streams[replica_id] = token
+            self._dead.pop(replica_id, None)
         self.heartbeat(replica_id)
 
     def stream_closed(self, replica_id: str, token: object, why: str) -> None:
@@ -157,6 +183,7 @@ class LighthouseCore:
             if self._closed or self._streams.get(replica_id) is not token:
                 return  # shutting down, or a newer stream of the same replica took over
             del self._streams[replica_id]
+            self._dead[replica_id] = time.monotonic()
             self._heartbeats.pop(replica_id, None)
             self._waiting.pop(replica_id, None)
             self._expired.discard(replica_id)
@@ -186,6 +213,8 @@ class LighthouseCore:
                 self._expired.discard(rid)
             for rid in [r for r in self._known if r not in self._heartbeats and r not in self._waiters]:
                 del self._known[rid]
+            for rid in prune_heartbeats(self._dead, now, PRUNE_AFTER_TIMEOUTS * timeout):
+                del self._dead[rid]
             if self._waiting:
                 self._decide_locked(now)
 
@@ -202,6 +231,26 @@ class LighthouseCore:
                     waiter.wake()
 
     # -- decision -----------------------------------------------------------------------------
+
+    def _still_waiting_locked(self, now: float) -> bool:
+        """A cheap sufficient test that decide() would keep waiting: True only when it surely would.
+
+        While members of the previous quorum are still to join, every join but the last would run an
+        O(members) decide() that waits (no fast quorum without them; rule 4 waits for a healthy
+        straggler until join_timeout), making a round O(members^2). A healthy member of the previous
+        quorum that has not joined, with the earliest join younger than join_timeout, proves the wait.
+        """
+        prev = self._prev
+        if prev is None or now - self._first_join >= self._rules.join_timeout_s:
+            return False
+        witness = self._straggler
+        if witness is None or witness in self._waiting:
+            witness = next((m.replica_id for m in prev.participants if m.replica_id not in self._waiting), None)
+            self._straggler = witness
+        if witness is None:
+            return False
+        seen = self._heartbeats.get(witness)
+        return seen is not None and now - seen < self._rules.heartbeat_timeout_s
 
     def _state_locked(self) -> LighthouseState:
         return LighthouseState(self._waiting, self._heartbeats, self._prev, self._quorum_id)

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 MAX_CHECKPOINT_METADATA_BYTES = 64 * 1024
 NO_DEADLINE_S = 1e9  # grpcio reports "no deadline" as ~9e18 seconds remaining
 KILL_EXIT_DELAY_S = 0.1  # lets the Kill response reach the caller before the process exits
+STREAM_WAIT_S = 1.0  # longest a quorum round waits for a connecting heartbeat stream
 
 
 def answer_by(timeout_s: float) -> float:
@@ -333,6 +334,7 @@ class ManagerServer:
                 shrink_only=any(r.shrink_only for r in requests),
                 commit_failures=max(r.commit_failures for r in requests), last_quorum_id=self._last_quorum_id)
             deadline = min(r.deadline for r in requests)  # every rank hears the outcome before its deadline
+            self._await_heartbeat_stream(deadline)
             try:
                 quorum = self._lighthouse_quorum(member, deadline)
             except FTError as exc:
@@ -351,6 +353,18 @@ class ManagerServer:
             logger.warning("quorum round of replica group %s failed: %s", self.replica_id, error,
                            extra={"ft_event": {"type": "error", "replica_id": self.replica_id,
                                                "message": str(error)}})
+
+    def _await_heartbeat_stream(self, deadline: float) -> None:
+        """Before a round, give a connecting heartbeat stream a moment (no wait once it is up).
+
+        The lighthouse counts a join as alive only while the replica's stream is open after a stream
+        of the same replica broke (a restarted group), so a join sent before our stream opens could
+        miss the survivors' next round. Bounded: with the stream down the round still goes ahead.
+        """
+        heartbeat = self._heartbeat
+        if heartbeat is None or heartbeat.connected:
+            return
+        heartbeat.wait_connected(max(min(STREAM_WAIT_S, 0.5 * (deadline - time.monotonic())), 0.0))
 
     def _lighthouse_quorum(self, member: QuorumMember, deadline: float) -> Quorum:
         """One lighthouse quorum for the group, retried `quorum_retries` times on failures before the deadline."""

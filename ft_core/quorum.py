@@ -16,6 +16,7 @@ from ft_core.types import Quorum, QuorumMember
 
 MAX_DATA_BYTES = 64 * 1024  # user JSON carried in QuorumMember.data
 MAX_FIELD_CHARS = 1024  # replica_id, address, store_address
+MAX_QUORUM_ID = 2**62  # far above any real job; keeps max(reported) + 1 inside int64
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,8 @@ def member_problem(member: QuorumMember | None) -> str | None:
         return f"commit_failures must be >= 0, got {member.commit_failures}"
     if member.last_quorum_id < 0:
         return f"last_quorum_id must be >= 0, got {member.last_quorum_id}"
+    if member.last_quorum_id >= MAX_QUORUM_ID:  # the next id must still fit the wire's int64
+        return f"last_quorum_id must be < {MAX_QUORUM_ID}, got {member.last_quorum_id}"
     size = len(member.data.encode())
     if size > MAX_DATA_BYTES:
         return f"data field is {size} bytes, over the {MAX_DATA_BYTES}-byte limit: send less user data"

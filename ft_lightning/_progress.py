@@ -71,6 +71,11 @@ def undo_optimizer_step(trainer: Any) -> None:
         part.completed -= 1
 
 
+def undo_batches_stepped(trainer: Any) -> None:
+    """Once per skipped step: the logger step (`_batches_that_stepped`, bumped after the batch) stays put."""
+    _epoch_loop(trainer)._batches_that_stepped -= 1
+
+
 def undo_scheduler_step(trainer: Any) -> None:
     """Same as `undo_optimizer_step`, for the scheduler progress around a swallowed scheduler step."""
     progress = _epoch_loop(trainer).scheduler_progress

@@ -177,6 +177,8 @@ class FaultTolerantTrainerMixin:
         if self._commit is None:  # one vote per step, however many optimizers step
             self._commit = bool(self._manager.should_commit())  # applies a healed state first
             self._window_open = False
+            if not self._commit:
+                _progress.undo_batches_stepped(trainer)
         self._last_step_applied = self._commit
         if self._commit:
             return super().optimizer_step(optimizer, lambda: result, model, **kwargs)  # type: ignore[misc]

@@ -122,6 +122,8 @@ class Recorder(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
         if batch_idx % trainer.accumulate_grad_batches == 0:
             self.before = self._state(trainer)
+            if self.failed_step is not None and "before" in self.failed_step and self.failed_step["after"] is None:
+                self.failed_step["after"] = self.before  # everything Lightning does after a step is done
 
     def on_after_backward(self, trainer, pl_module):  # type: ignore[no-untyped-def]
         accumulate = trainer.accumulate_grad_batches
@@ -135,7 +137,7 @@ class Recorder(pl.Callback):
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
         if self.failed_step is not None and self.failed_step.get("pending"):
-            self.failed_step = {"before": self.before, "after": self._state(trainer)}
+            self.failed_step = {"before": self.before, "after": None}
         with open(self._progress_path(trainer), "a") as f:
             f.write(json.dumps({"global_step": trainer.global_step, "epoch": trainer.current_epoch,
                                 "batch_idx": trainer.fit_loop.batch_idx, "batch_sum": float(batch[0].sum()),

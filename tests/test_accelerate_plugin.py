@@ -363,15 +363,13 @@ def test_config_command_asks_on_a_terminal_keeps_defaults_on_enter_and_asks_agai
                    "", "",        # quorum_timeout, connect_timeout: keep
                    "fixed_with_spares", "", "n"]  # world_size_mode, backend (keep), async_quorum
     master, slave = pty.openpty()
-    def take_terminal() -> None:  # the pty becomes the child's controlling terminal (getpass reads /dev/tty)
-        import fcntl
-        import termios
-
-        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-
-    proc = subprocess.Popen([sys.executable, "-m", "ft_core", "accelerate", "config", "--config-file", str(path)],
+    # The child takes the pty as its controlling terminal (getpass reads /dev/tty), then runs the command;
+    # done in the child itself, since a preexec_fn is unsafe in this threaded test process.
+    take_terminal = ("import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+                     "os.execv(sys.executable, [sys.executable, '-m', 'ft_core', *sys.argv[1:]])")
+    proc = subprocess.Popen([sys.executable, "-c", take_terminal, "accelerate", "config", "--config-file", str(path)],
                             stdin=slave, stdout=slave, stderr=slave, env=child_env(TERM="dumb"), cwd=REPO_ROOT,
-                            start_new_session=True, preexec_fn=take_terminal)
+                            start_new_session=True)
     os.close(slave)
     transcript = b""
 

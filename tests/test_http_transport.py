@@ -5,13 +5,15 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 
 from ft_core.checkpointing import HTTPTransport
+from ft_core.checkpointing.wire import CHECKSUMS
 from ft_core.errors import AuthError, CheckpointError, FTTimeoutError
 from tests.test_serialization import assert_same, nasty_state
 
@@ -89,7 +91,7 @@ class DamagingProxy:
         for thread in self.threads:
             thread.join(5)
 
-    def __enter__(self) -> "DamagingProxy":
+    def __enter__(self) -> DamagingProxy:  # noqa: PYI034 - not subclassed
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -102,10 +104,12 @@ def source() -> HTTPTransport:
         yield transport
 
 
-def test_nasty_state_round_trips_in_parallel_chunks(source: HTTPTransport) -> None:
+@pytest.mark.parametrize("checksum", sorted(CHECKSUMS))
+def test_nasty_state_round_trips_in_parallel_chunks(checksum: str) -> None:
     state = nasty_state()
-    source.send_checkpoint([1], 7, state, LONG)
-    with HTTPTransport(timeout=LONG, num_connections=3) as healer:
+    with HTTPTransport(timeout=LONG, chunk_bytes=1 << 16, checksum=checksum) as source, \
+            HTTPTransport(timeout=LONG, num_connections=3) as healer:
+        source.send_checkpoint([1], 7, state, LONG)
         out = healer.recv_checkpoint(0, source.metadata(), 7, LONG)
     assert_same(state, out)
     assert out["row_view"].untyped_storage().data_ptr() == out["base"].untyped_storage().data_ptr()
@@ -124,7 +128,8 @@ def test_one_source_heals_two_receivers_then_one() -> None:
             except Exception as exc:  # noqa: BLE001 - reported by the assertion below
                 results[name] = exc
 
-        threads = [threading.Thread(target=heal, args=(n, t, 1), name=f"test-heal-{n}") for n, t in (("a", a), ("b", b))]
+        threads = [threading.Thread(target=heal, args=(name, healer, 1), name=f"test-heal-{name}")
+                   for name, healer in (("a", a), ("b", b))]
         for thread in threads:
             thread.start()
         time.sleep(0.05)  # receivers ask before the source stages: they must wait for it
@@ -152,9 +157,8 @@ def test_receive_timeout_of_10ms_raises_timeout_error_quickly(source: HTTPTransp
 
 def test_wrong_step_is_a_clear_checkpoint_error(source: HTTPTransport) -> None:
     source.send_checkpoint([1], 4, {"w": torch.ones(3)}, LONG)
-    with HTTPTransport(timeout=LONG) as healer:
-        with pytest.raises(CheckpointError, match="serves step 4, not step 5"):
-            healer.recv_checkpoint(0, source.metadata(), 5, LONG)
+    with HTTPTransport(timeout=LONG) as healer, pytest.raises(CheckpointError, match="serves step 4, not step 5"):
+        healer.recv_checkpoint(0, source.metadata(), 5, LONG)
 
 
 def test_disallowed_checkpoint_is_no_longer_served(source: HTTPTransport) -> None:
@@ -253,13 +257,13 @@ def test_dead_source_fails_fast() -> None:
 
 
 def test_silent_source_times_out_on_time() -> None:
-    with socket.create_server(("127.0.0.1", 0)) as listener:  # accepts connections, never answers
-        with HTTPTransport(timeout=LONG) as healer:
-            start = time.monotonic()
-            with pytest.raises(TimeoutError, match="longer than the 0.3s timeout"):
-                healer.recv_checkpoint(0, f"http://127.0.0.1:{listener.getsockname()[1]}", 1,
-                                       timedelta(milliseconds=300))
-            assert time.monotonic() - start < 2.3
+    # the listener accepts connections (the kernel does, from its backlog) but never answers
+    with socket.create_server(("127.0.0.1", 0)) as listener, HTTPTransport(timeout=LONG) as healer:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="longer than the 0.3s timeout"):
+            healer.recv_checkpoint(0, f"http://127.0.0.1:{listener.getsockname()[1]}", 1,
+                                   timedelta(milliseconds=300))
+        assert time.monotonic() - start < 2.3
 
 
 def test_shutdown_joins_every_thread_it_started() -> None:

@@ -18,13 +18,14 @@ from ft_core.launch import (FaultInjector, GroupState, Launcher, choose_victim, 
                             next_kill_delay, parse_args)
 
 # A replica group stand-in: prints its identity, spawns a grandchild (to check a kill takes the
-# whole process group), then sleeps `argv[1]` seconds and exits `argv[2]` (default 0).
+# whole process group), then sleeps `argv[1]` seconds (or $SLEEP_G<group>) and exits `argv[2]` (default 0).
 SLEEPER = textwrap.dedent("""
     import os, subprocess, sys, time
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    print("up", os.environ["REPLICA_GROUP_ID"], os.environ["RANK"], os.environ["FT_RESTART_COUNT"],
-          os.environ["MASTER_PORT"], child.pid, flush=True)
-    time.sleep(float(sys.argv[1]))
+    group = os.environ["REPLICA_GROUP_ID"]
+    print("up", group, os.environ["RANK"], os.environ["FT_RESTART_COUNT"], os.environ["MASTER_PORT"], child.pid,
+          flush=True)
+    time.sleep(float(os.environ.get("SLEEP_G" + group, sys.argv[1])))
     child.kill()
     child.wait()
     sys.exit(int(sys.argv[2]) if len(sys.argv) > 2 else 0)
@@ -41,7 +42,8 @@ def sleeper(tmp_path: Path) -> str:
 # ----------------------------------------------------------------------------- pure rules
 
 @pytest.mark.parametrize("rank, nproc, token, lighthouse, expect", [
-    (0, 1, None, "127.0.0.1:9", {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "FT_LIGHTHOUSE": "127.0.0.1:9"}),
+    (0, 1, None, "127.0.0.1:9",
+     {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "FT_LIGHTHOUSE": "127.0.0.1:9"}),
     (1, 2, "s3cret", "127.0.0.1:9", {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "FT_TOKEN": "s3cret"}),
     (0, 1, None, None, {"REPLICA_GROUP_ID": "2", "NUM_REPLICA_GROUPS": "3", "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": "4242", "FT_RESTART_COUNT": "5", "GROUP_RANK": "0"}),
@@ -147,7 +149,7 @@ def test_a_killed_group_loses_every_process_and_restarts_as_a_new_incarnation(sl
         pids = launcher.status(1).pids
         grandchild = _grandchildren(log)[0]
         assert launcher.kill_group(1, "test kill")
-        assert not any(_alive(p) for p in (*pids, grandchild))
+        _wait(lambda: not any(_alive(p) for p in (*pids, grandchild)), 5)  # SIGKILL lands asynchronously
         _wait(lambda: launcher.status(1).state == GroupState.RUNNING and launcher.status(1).incarnation == 1,
               10, launcher)
         _wait(lambda: len(_grandchildren(log)) == 2, 15, launcher)
@@ -159,7 +161,7 @@ def test_a_killed_group_loses_every_process_and_restarts_as_a_new_incarnation(sl
         s = launcher.status(1)
         assert (s.kills, s.deaths) == (1, 1)
         live = [p for g in (0, 1) for p in launcher.status(g).pids]
-    assert not any(_alive(p) for p in live)  # shutdown on exit
+    _wait(lambda: not any(_alive(p) for p in live), 5)  # shutdown on exit
 
 
 @pytest.mark.timeout(30)
@@ -173,6 +175,18 @@ def test_a_crash_is_detected_restarted_and_success_needs_every_group_done(sleepe
         launcher.start()
         assert launcher.run_until_done() is True
         assert launcher.succeeded and [e.kind for e in launcher.events].count("done") == 2
+
+
+@pytest.mark.timeout(30)
+def test_a_group_that_dies_after_another_finished_is_lost_not_restarted(sleeper):
+    # Its peers are gone: a restarted group would have nobody to heal from and train alone from scratch.
+    with Launcher([sys.executable, sleeper, "0.3"], 2, env=child_env(SLEEP_G1="60"), restart_delay=0.5) as launcher:
+        launcher.start()
+        _wait(lambda: launcher.status(0).state == GroupState.DONE, 15, launcher)
+        launcher.kill_group(1, "test kill")
+        assert launcher.run_until_done() is True
+        assert launcher.lost_groups() == [1] and "other groups already finished" in launcher.status(1).detail
+        assert launcher.status(1).incarnation == 0
 
 
 @pytest.mark.timeout(30)
@@ -282,6 +296,7 @@ def test_sigterm_ends_every_group_and_the_exit_code_says_so(sleeper, processes):
     assert launch.returncode == 128 + signal.SIGTERM
     assert _still_running(seen) == set()
     assert "status page: http://127.0.0.1:" in out and "stopped" in out
+    assert "[g0] up 0 0 0" in out and "[g1] up 1 0 0" in out  # each group's output, prefixed with its id
 
 
 # A real fault-tolerant job without Lightning: one Manager per group, a tiny model, `argv[1]` steps.
@@ -321,14 +336,14 @@ def test_no_restart_a_killed_group_is_lost_while_the_survivors_finish_training(t
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
     launch = processes.spawn(_ftl("launch", "--groups", "3", "--no-restart", "--kill-every", "4", "--max-kills", "1",
-                                  "--seed", "5", "--", str(script), "60", "0.05"),
+                                  "--seed", "5", "--", str(script), "40", "0.05"),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out, _ = launch.communicate(timeout=50)
     assert launch.returncode == 1, out[-3000:]
     killed = [line for line in out.splitlines() if "killed: fault injection 1/1" in line]
     assert len(killed) == 1, out[-3000:]
     victim = killed[0].split("group ")[1].split()[0]
-    finished = [line for line in out.splitlines() if "finished step 60 weights" in line]
+    finished = [line for line in out.splitlines() if "finished step 40 weights" in line]
     assert len(finished) == 2 and f"[g{victim}]" not in "".join(finished), out[-3000:]
     assert len({line.split("weights ")[1] for line in finished}) == 1  # the survivors agree bit for bit
     assert f"group(s) {victim} lost" in out

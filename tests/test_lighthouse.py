@@ -22,7 +22,7 @@ from ft_core import status as status_cli
 from ft_core.errors import AuthError, FTTimeoutError, RPCError
 from ft_core.lighthouse import LighthouseServer
 from ft_core.lighthouse_client import LighthouseClient
-from ft_core.lighthouse_core import LighthouseConfig, LighthouseCore
+from ft_core.lighthouse_core import LighthouseConfig, LighthouseCore, Waiter
 from ft_core.types import Quorum, QuorumMember
 
 SECOND = timedelta(seconds=1)
@@ -288,6 +288,64 @@ def test_sigkilled_member_is_excluded_in_under_a_second(processes) -> None:
         assert elapsed < 1.0, f"death took {elapsed:.3f}s to detect"
         assert metric(server, "ftl_lighthouse_deaths_detected_total") == 1
         assert member_of(status_of(server), "b") is None
+
+
+# A replica group that dies before its heartbeat stream connects: it only calls Quorum (no stream).
+CHILD_NO_STREAM = r"""
+import sys
+from datetime import timedelta
+from ft_core.lighthouse_client import LighthouseClient
+from ft_core.types import QuorumMember
+
+client = LighthouseClient(sys.argv[1])
+print("CALLING", flush=True)
+client.quorum(QuorumMember(sys.argv[2]), timedelta(seconds=60))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_member_killed_in_its_quorum_call_before_its_stream_connected_is_not_waited_for(processes) -> None:
+    # The killed call counted as b's heartbeat; with a 30 s heartbeat_timeout, a quorum without b within
+    # seconds proves the cancelled call withdrew it (else the split-brain guard waits for b).
+    with LighthouseServer(min_replicas=1, join_timeout_ms=60_000, quorum_tick_ms=100,
+                          heartbeat_timeout_ms=30_000) as server, LighthouseClient(server.address()) as client:
+        assert client.start_heartbeat_stream("a").wait_connected(5)
+        child = processes.python("-c", CHILD_NO_STREAM, server.address(), "b", stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().startswith("CALLING")
+        wait_for(lambda: (member_of(server.core.status(), "b") or {}).get("waiting"), 20, "b waiting in Quorum")
+        assert member_of(server.core.status(), "b")["healthy"] is True  # its call counts as a heartbeat
+        child.kill()
+        child.wait(10)
+        started = time.monotonic()
+        quorum = client.quorum(QuorumMember("a"), 20 * SECOND)
+        assert quorum.replica_ids == ["a"]
+        assert time.monotonic() - started < 10.0, "waited for the dead member's heartbeat to expire"
+        assert member_of(server.core.status(), "b") is None
+
+
+def test_a_broken_streams_late_quorum_call_does_not_revive_it_until_a_new_stream_opens() -> None:
+    # Drives the real core with the events in the order the race delivers them: b's stream breaks,
+    # then a Quorum call from b's dead connection is handled.
+    core = LighthouseCore(LighthouseConfig(min_replicas=1, heartbeat_timeout_ms=30_000))
+    woken: list[str] = []
+    first_stream = object()
+    core.stream_opened("b", first_stream)
+    core.stream_closed("b", first_stream, "broke (connection dropped)")
+    late = Waiter(QuorumMember("b"), lambda: woken.append("b"))
+    core.join(late)
+    assert member_of(core.status(), "b")["healthy"] is False, "a late call from a dead stream revived it"
+    alone = Waiter(QuorumMember("a"), lambda: woken.append("a"))
+    core.join(alone)
+    assert alone.issued is not None and alone.issued.quorum.replica_ids == ["a"]
+    assert late.issued is None
+    core.leave(alone)
+    core.stream_opened("b", object())  # a new stream: b is alive again and its waiting call takes part
+    assert member_of(core.status(), "b")["healthy"] is True
+    again = Waiter(QuorumMember("a"), lambda: woken.append("a"))
+    core.join(again)
+    assert late.issued is not None and late.issued.quorum.replica_ids == ["a", "b"]
+    assert again.issued is late.issued
+    assert sorted(woken) == ["a", "a", "b"]
 
 
 @pytest.mark.timeout(60)

@@ -44,6 +44,9 @@ USER_SCRIPT = textwrap.dedent("""
     trainer.fit(Tiny())
     print("trainer", type(trainer.strategy).__name__, trainer.global_step, trainer.strategy.manager.current_step())
     print("fabric", type(Fabric(strategy="fault_tolerant_ddp", accelerator="cpu", devices=1).strategy).__name__)
+    import pytorch_lightning as ptl  # the standalone package has its own registry: registered too
+    strategy = ptl.Trainer(strategy="fault_tolerant_ddp", accelerator="cpu", devices=1, logger=False).strategy
+    print("pytorch_lightning", type(strategy).__module__)
 """)
 
 
@@ -80,3 +83,4 @@ def test_autoregister_makes_the_name_work_without_import(processes, tmp_path):
     assert proc.returncode == 0, text
     assert "trainer FaultTolerantDDPStrategy 2 2" in text, text
     assert "fabric FaultTolerantFabricDDPStrategy" in text, text
+    assert "pytorch_lightning ft_lightning.pytorch_lightning" in text, text

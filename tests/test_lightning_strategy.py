@@ -21,6 +21,167 @@ from conftest import REPO_ROOT, child_env
 WORKER = os.path.join(REPO_ROOT, "tests", "_lightning_worker.py")
 
 
+# ---- rules, in-process (no Lightning import) -----------------------------------------------------
+
+def _adam_state() -> dict:
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1, betas=(0.8, 0.9))
+    model(torch.ones(4, 3)).sum().backward()
+    optimizer.step()
+    return optimizer.state_dict()  # int keys, tuples, tensors
+
+
+@pytest.mark.parametrize("value", [
+    _adam_state(),
+    {"python_rng": __import__("random").getstate(), "torch_rng": torch.get_rng_state()},
+    {"nested": [(1, 2.5, None), {"a": True, 3: "x"}], "empty": {}, "path": "p"},
+    {"__ft_tuple__": "a user key that looks like ours"},
+])
+def test_transport_encoding_round_trips(value):
+    """What a healing group receives equals what was sent, keys and tuples included."""
+    from ft_lightning._common import from_transport, to_transport
+
+    encoded = to_transport(value)
+
+    def only_transport_types(obj):
+        if isinstance(obj, dict):
+            assert all(isinstance(k, str) for k in obj)
+            return all(only_transport_types(v) for v in obj.values())
+        if isinstance(obj, list):
+            return all(only_transport_types(v) for v in obj)
+        return isinstance(obj, (torch.Tensor, bool, int, float, str, type(None)))
+
+    assert only_transport_types(encoded)
+    decoded = from_transport(encoded)
+
+    def equal(a, b):
+        if isinstance(a, torch.Tensor):
+            return torch.equal(a, b)
+        if isinstance(a, dict):
+            return type(b) is dict and a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return type(a) is type(b) and len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
+        return a == b
+
+    assert equal(value, decoded)
+
+
+def test_transport_encoding_names_what_cannot_be_sent():
+    from ft_lightning._common import to_transport
+
+    with pytest.raises(TypeError, match=r"callback X\.fn holds a function"):
+        to_transport({"fn": lambda: None}, where="callback X")
+
+
+@pytest.mark.parametrize("env, kwargs, expected", [
+    ({}, {}, dict(replica_group_id=0, num_replica_groups=1, min_replica_size=1, backend="auto",
+                  world_size_mode="dynamic", use_async_quorum=True)),
+    ({"REPLICA_GROUP_ID": "2", "NUM_REPLICA_GROUPS": "3"}, {"replica_group_id": 0}, dict(replica_group_id=2)),
+    ({"FT_BACKEND": "GLOO", "FT_ASYNC_QUORUM": "0"}, {"cross_group_backend": "nccl"},
+     dict(backend="gloo", use_async_quorum=False)),
+    ({"FT_WORLD_SIZE_MODE": "fixed-with-spares", "FT_MIN_REPLICA_SIZE": "2"}, {},
+     dict(world_size_mode="fixed_with_spares", min_replica_size=2)),
+    ({}, {"timeout": 7, "lighthouse_addr": "127.0.0.1:1"}, dict(lighthouse_addr="127.0.0.1:1")),
+])
+def test_settings_resolve_environment_over_arguments(monkeypatch, env, kwargs, expected):
+    from ft_lightning._common import FTSettings
+
+    for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "FT_BACKEND", "FT_ASYNC_QUORUM", "FT_WORLD_SIZE_MODE",
+                 "FT_MIN_REPLICA_SIZE", "FT_LIGHTHOUSE", "FT_TIMEOUT_SEC", "TORCHFT_LIGHTHOUSE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    settings = FTSettings.resolve(**kwargs)
+    for key, value in expected.items():
+        assert getattr(settings, key) == value, key
+
+
+@pytest.mark.parametrize("env, kwargs, message", [
+    ({"REPLICA_GROUP_ID": "2"}, {}, "NUM_REPLICA_GROUPS"),
+    ({}, {"cross_group_backend": "mpi"}, "gloo|nccl"),
+    ({"NUM_REPLICA_GROUPS": "zero"}, {}, "NUM_REPLICA_GROUPS"),
+    ({}, {"min_replica_size": 0}, "FT_MIN_REPLICA_SIZE"),
+])
+def test_settings_errors_name_the_fix(monkeypatch, env, kwargs, message):
+    from ft_core.errors import ConfigError
+    from ft_lightning._common import FTSettings
+
+    for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "FT_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=message):
+        FTSettings.resolve(**kwargs)
+
+
+def test_gated_scheduler_skips_and_keeps_its_state_dict():
+    """The gate swaps the class (isinstance still holds) and adds nothing to the scheduler's state."""
+    from types import SimpleNamespace
+
+    from ft_lightning._progress import gate_step_schedulers
+
+    optimizer = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    epoch_scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    keys = set(scheduler.state_dict())
+    allow = [False]
+    trainer = SimpleNamespace(lr_scheduler_configs=[SimpleNamespace(interval="step", scheduler=scheduler),
+                                                    SimpleNamespace(interval="epoch", scheduler=epoch_scheduler)])
+    assert gate_step_schedulers(trainer, lambda: allow[0]) == 1
+    assert isinstance(scheduler, torch.optim.lr_scheduler.StepLR) and type(epoch_scheduler) is torch.optim.lr_scheduler.StepLR
+    optimizer.step()
+    scheduler.step()
+    assert scheduler.last_epoch == 0 and optimizer.param_groups[0]["lr"] == 1.0
+    allow[0] = True
+    scheduler.step()
+    assert scheduler.last_epoch == 1 and optimizer.param_groups[0]["lr"] == 0.5
+    assert set(scheduler.state_dict()) == keys
+
+
+def test_counters_shift_by_what_happened_since_step_start():
+    """new = source at step start + (local now - local at step start), bools kept local."""
+    from ft_lightning._progress import _shift
+
+    source = {"ready": 11, "completed": 10, "is_last_batch": False, "total": {"ready": 41}}
+    before = {"ready": 1, "completed": 0, "is_last_batch": False, "total": {"ready": 1}}
+    now = {"ready": 4, "completed": 3, "is_last_batch": True, "total": {"ready": 4}}
+    assert _shift(source, now, before) == {"ready": 14, "completed": 13, "is_last_batch": True, "total": {"ready": 44}}
+
+
+def test_sampler_skip_starts_the_next_pass_k_batches_in_once():
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from ft_lightning._data import _arm_skip
+
+    data = list(range(20))
+    loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, num_replicas=1, rank=0, shuffle=True,
+                                                                       seed=3))
+    full = [b.tolist() for b in loader]
+    assert _arm_skip(loader, 2)
+    assert isinstance(loader.sampler, DistributedSampler)
+    assert [b.tolist() for b in loader] == full[2:]
+    assert [b.tolist() for b in loader] == full  # one pass only
+
+
+def test_forget_unscale_lets_a_skipped_step_unscale_again():
+    from ft_lightning._common import forget_unscale
+
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    scaler.scale(model(torch.randn(3, 2)).sum()).backward()
+    scaler.unscale_(optimizer)  # e.g. gradient clipping, then the step is not committed
+    forget_unscale(scaler, optimizer)
+    optimizer.zero_grad()
+    scaler.scale(model(torch.randn(3, 2)).sum()).backward()
+    scaler.unscale_(optimizer)  # would raise "unscale_() has already been called" without it
+    scaler.step(optimizer)
+    scaler.update()
+    assert scaler.get_scale() == 256.0
+
+
+# ---- real Trainer processes ------------------------------------------------------------------------
+
 @pytest.fixture
 def lighthouse():
     from ft_core.lighthouse import LighthouseServer

@@ -8,8 +8,10 @@ gets either every byte from before the mutation or an error: never a torn state.
 copied to pinned host memory on a side CUDA stream (off the critical path) and served from there.
 
 Client side (the healer): fetches the header, then all chunks over several keep-alive connections,
-reading straight into the final tensor storage (`readinto`) and checking each chunk's crc32 while
-the bytes are still in cache. URLs: /checkpoint/{step}/header and /checkpoint/{step}/chunk/{i}.
+reading straight into the final tensor storage (`readinto`) and checking each chunk's digest
+(xxh3_64, or crc32 without xxhash) piece by piece while the bytes are still in cache.
+URLs: /checkpoint/{step}/header and /checkpoint/{step}/chunk/{i}; a shared token (argument or FT_TOKEN)
+guards both, as an `Authorization: Bearer` header checked in constant time.
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ import socket
 import socketserver
 import threading
 import time
-import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 import torch
@@ -41,7 +43,7 @@ from ft_core.rpc import backoff_delays
 logger = logging.getLogger(__name__)
 
 SOCKET_BUFFER_BYTES = 4 << 20
-PIECE_BYTES = 1 << 20  # crc granularity: small enough to checksum while the piece is in cache
+PIECE_BYTES = 1 << 20  # hashing granularity: small enough to hash while the piece is in cache
 MAX_ERROR_BODY = 4096
 _PATH_RE = re.compile(r"^/checkpoint/(-?\d{1,19})/(header|chunk/(\d{1,9}))$")
 
@@ -69,9 +71,11 @@ class _Staged:
     step: int
     encoded: ser.Encoded
     header_frame: bytes
-    ready: Any = None  # a CUDA event while host copies are in flight, else None
-    wait_stream: Any = None  # the stream that must wait for those copies before the state is mutated
-    crcs: dict[int, int] = field(default_factory=dict)
+    # (CUDA event of the device-to-host copies, the training stream that must wait for them before it
+    # mutates the state), one per device; empty for host-only states
+    ready: list[tuple[Any, Any]] = field(default_factory=list)
+    pinned: list[torch.Tensor] = field(default_factory=list)  # our staging buffers, recycled at disallow
+    digests: dict[int, int] = field(default_factory=dict)  # per chunk, computed by the first serve
     readers: int = 0
 
 
@@ -81,7 +85,7 @@ class _Server(socketserver.TCPServer):
     allow_reuse_address = True
     request_queue_size = 1024
 
-    def __init__(self, address: tuple[str, int], transport: "HTTPTransport") -> None:
+    def __init__(self, address: tuple[str, int], transport: HTTPTransport) -> None:
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.transport = transport
         self.connections: dict[threading.Thread, socket.socket] = {}
@@ -104,7 +108,7 @@ class _Server(socketserver.TCPServer):
             self.finish_request(request, client_address)
         except OSError as exc:  # the peer went away (e.g. a healer was killed): not the source's problem
             logger.debug("checkpoint connection from %s ended: %s", client_address, exc)
-        except Exception:  # noqa: BLE001 - a bug in a handler must not kill the server; log it whole
+        except Exception:
             logger.exception("checkpoint connection from %s failed", client_address)
         finally:
             self.shutdown_request(request)
@@ -136,7 +140,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.timeout = self.server.transport.timeout_s  # idle keep-alive connections end after this
         super().setup()
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - BaseHTTPRequestHandler's name
+    def log_message(self, format: str, *args: Any) -> None:
         logger.debug("checkpoint http %s: " + format, self.address_string(), *args)
 
     def _reply(self, status: int, message: str) -> None:
@@ -147,7 +151,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+    def do_GET(self) -> None:
         transport = self.server.transport
         if not transport.authorized(self.headers.get("Authorization", "")):
             self._reply(401, "missing or wrong checkpoint token: give both replicas the same FT_TOKEN")
@@ -163,44 +167,47 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             if match.group(3) is None:
-                self._send_bytes([memoryview(staged.header_frame)], None, None)
+                self._send_bytes([memoryview(staged.header_frame)], staged, None)
             else:
                 self._send_chunk(transport, staged, int(match.group(3)))
         finally:
             transport.release(staged)
 
-    def _send_chunk(self, transport: "HTTPTransport", staged: _Staged, index: int) -> None:
+    def _send_chunk(self, transport: HTTPTransport, staged: _Staged, index: int) -> None:
         if index >= staged.encoded.num_chunks:
             self._reply(404, f"step {staged.step} has {staged.encoded.num_chunks} chunks, no chunk {index}")
             return
-        if staged.ready is not None:
-            staged.ready.synchronize()  # device-to-host copies of this step are done
+        for event, _ in staged.ready:
+            event.synchronize()  # device-to-host copies of this step are done
         views = staged.encoded.chunk_views(index)
         self._send_bytes(views, staged, index)
 
     def _send_bytes(self, views: list[memoryview], staged: _Staged | None, index: int | None) -> None:
-        """Body = the views, then (for a chunk) its crc32; the crc is computed while streaming, once."""
+        """Body = the views, then (for a chunk) its digest, computed while streaming the first time."""
         total = sum(len(v) for v in views)
         self.send_response(200)
         self.send_header("Content-Type", "application/octet-stream")
-        self.send_header("Content-Length", str(total + (ser.CRC.size if staged is not None else 0)))
+        self.send_header("Content-Length", str(total + (ser.DIGEST.size if index is not None else 0)))
         self.end_headers()
         self.wfile.flush()
         sock = self.connection
-        known = staged.crcs.get(index) if staged is not None and index is not None else None
-        value = 0
+        if staged is None or index is None:
+            for view in views:
+                sock.sendall(view)
+            return
+        known = staged.digests.get(index)
+        digest = ser.new_digest(staged.encoded.checksum) if known is None else None
         for view in views:
-            if known is not None or staged is None:
+            if digest is None:
                 sock.sendall(view)
                 continue
             for start in range(0, len(view), PIECE_BYTES):
                 piece = view[start:start + PIECE_BYTES]
-                value = zlib.crc32(piece, value)
+                digest.update(piece)
                 sock.sendall(piece)
-        if staged is not None and index is not None:
-            if known is None:
-                staged.crcs[index] = known = value
-            sock.sendall(ser.CRC.pack(known))
+        if digest is not None:
+            staged.digests[index] = known = digest.intdigest()
+        sock.sendall(ser.DIGEST.pack(known))
 
 
 class HTTPTransport(CheckpointTransport[Any]):
@@ -209,8 +216,9 @@ class HTTPTransport(CheckpointTransport[Any]):
     def __init__(self, timeout: timedelta | float = timedelta(seconds=60), num_chunks: int = 0,
                  bind: str = "127.0.0.1:0", token: str | None = None, hostname: str = "127.0.0.1",
                  num_connections: int = 4, chunk_bytes: int | None = None,
-                 state_dict: Callable[[], Any] | None = None) -> None:
+                 state_dict: Callable[[], Any] | None = None, checksum: str | None = None) -> None:
         self.timeout_s = seconds(timeout)
+        self._checksum = checksum
         self._state_dict = state_dict
         self._num_chunks = num_chunks
         self._chunk_bytes = chunk_bytes
@@ -228,7 +236,7 @@ class HTTPTransport(CheckpointTransport[Any]):
                                   "(port 0 lets the OS choose)") from exc
         port = self._server.server_address[1]
         self._address = f"http://{f'[{hostname}]' if ':' in hostname else hostname}:{port}"
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
                                         name=f"ftl-ckpt-http-server-{port}", daemon=True)
         self._thread.start()
         logger.info("checkpoint HTTP server listening", extra={"address": self._address, "auth": bool(self._token)})
@@ -248,7 +256,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         if self._closed:
             raise CheckpointError("send_checkpoint on a shut down HTTPTransport")
         self.disallow_checkpoint()
-        encoded = ser.encode(state_dict, step=step, chunk_bytes=1)
+        encoded = ser.encode(state_dict, step=step, chunk_bytes=1, checksum=self._checksum)
         encoded.chunk_bytes = self._pick_chunk_bytes(encoded.payload_nbytes)
         encoded.header["chunk_bytes"] = encoded.chunk_bytes
         staged = _Staged(step, encoded, encoded.header_frame())
@@ -267,31 +275,30 @@ class HTTPTransport(CheckpointTransport[Any]):
         return max(1 << 20, min(32 << 20, -(-total // (4 * self._num_connections))))
 
     def _stage_device_blobs(self, staged: _Staged) -> None:
-        """Copy device blobs to pinned host memory on a side stream; serving waits on `staged.ready`."""
-        device_blobs = [b for b in staged.encoded.blobs if b.tensor is not None and b.tensor.device.type != "cpu"]
-        if not device_blobs:
-            return
-        cuda = [b for b in device_blobs if b.tensor.device.type == "cuda"]
-        for blob in device_blobs:
-            if blob.tensor.device.type != "cuda":
-                blob.tensor = blob.tensor.cpu()
-        if not cuda:
-            return
-        device = cuda[0].tensor.device
-        current = torch.cuda.current_stream(device)
-        side = self._side_streams.get(device)
-        if side is None:
-            side = self._side_streams[device] = torch.cuda.Stream(device)
-        side.wait_stream(current)  # copy what the training stream has written so far
-        with torch.cuda.stream(side):
-            for blob in cuda:
-                host = self._take_pinned(blob.nbytes)
-                host.copy_(blob.tensor, non_blocking=True)
-                blob.tensor.record_stream(side)
-                blob.tensor = host
-        staged.ready = torch.cuda.Event()
-        staged.ready.record(side)
-        staged.wait_stream = current
+        """Copy device blobs to pinned host memory on a side stream per device; serving waits on the events."""
+        by_device: dict[Any, list[ser.Blob]] = {}
+        for blob in staged.encoded.blobs:
+            if blob.tensor is not None and blob.tensor.device.type != "cpu":
+                if blob.tensor.device.type == "cuda":
+                    by_device.setdefault(blob.tensor.device, []).append(blob)
+                else:  # other accelerators: a plain synchronous copy
+                    blob.tensor = blob.tensor.cpu()
+        for device, blobs in by_device.items():
+            current = torch.cuda.current_stream(device)
+            side = self._side_streams.get(device)
+            if side is None:
+                side = self._side_streams[device] = torch.cuda.Stream(device)
+            side.wait_stream(current)  # copy what the training stream has written so far
+            with torch.cuda.stream(side):
+                for blob in blobs:
+                    host = self._take_pinned(blob.nbytes)
+                    staged.pinned.append(host)
+                    host.copy_(blob.tensor, non_blocking=True)
+                    blob.tensor.record_stream(side)  # keep the device memory alive until the copy ran
+                    blob.tensor = host
+            event = torch.cuda.Event()
+            event.record(side)
+            staged.ready.append((event, current))
 
     def _take_pinned(self, nbytes: int) -> torch.Tensor:
         free = self._pinned.get(nbytes)
@@ -300,20 +307,21 @@ class HTTPTransport(CheckpointTransport[Any]):
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def _recycle(self, staged: _Staged) -> None:
-        for blob in staged.encoded.blobs:
-            if blob.tensor is not None and blob.tensor.is_pinned():
-                self._pinned.setdefault(blob.nbytes, []).append(blob.tensor)
+        """Reuse our pinned staging buffers for the next step (only ours: never a caller's pinned tensor)."""
+        for host in staged.pinned:
+            self._pinned.setdefault(host.numel(), []).append(host)
+        staged.pinned.clear()
 
     def acquire(self, step: int) -> tuple[_Staged | None, tuple[int, str]]:
         """Register a reader of `step`, or say why not (HTTP status, message)."""
         with self._lock:
             staged = self._staged
             if staged is None:
-                return None, (503, f"no checkpoint is staged here (step {step} was requested); the source has "
-                                   "not staged it yet or has stopped serving it: retry until your deadline")
+                return None, (503, (f"no checkpoint is staged here (step {step} was requested); the source has "
+                                    "not staged it yet or has stopped serving it: retry until your deadline"))
             if staged.step != step:
-                return None, (400, f"this source serves step {staged.step}, not step {step}; the quorum "
-                                   "and the source disagree, retry at the next quorum")
+                return None, (400, (f"this source serves step {staged.step}, not step {step}; the quorum "
+                                    "and the source disagree, retry at the next quorum"))
             staged.readers += 1
             return staged, (200, "")
 
@@ -338,8 +346,8 @@ class HTTPTransport(CheckpointTransport[Any]):
             self._server.abort_connections()
             with self._lock:
                 self._lock.wait_for(lambda: staged.readers == 0, timeout=5.0)
-        if staged.ready is not None:
-            staged.wait_stream.wait_event(staged.ready)  # later writes on the training stream wait for copies
+        for event, stream in staged.ready:
+            stream.wait_event(event)  # later writes on the training stream wait for the copies
         self._recycle(staged)
 
     def shutdown(self, wait: bool = True) -> None:
@@ -354,8 +362,8 @@ class HTTPTransport(CheckpointTransport[Any]):
         if wait:
             self._thread.join(self.timeout_s)
             self._server.join_connections(5.0)
-        if staged is not None and staged.ready is not None:
-            staged.ready.synchronize()
+        for event, _ in staged.ready if staged is not None else ():
+            event.synchronize()
         self._pinned.clear()
 
     # ------------------------------------------------------------ receiver side
@@ -478,11 +486,11 @@ class _Fetch:
         resp = self.request(conn, f"chunk/{index}")
         if resp.status != 200:
             raise self.refusal(resp, f"chunk {index}")
-        expected = plan.chunk_nbytes(index) + ser.CRC.size
+        expected = plan.chunk_nbytes(index) + ser.DIGEST.size
         if resp.getheader("Content-Length") != str(expected):
             raise CheckpointError(f"chunk {index} of step {self.step} from {self.url} has length "
                                   f"{resp.getheader('Content-Length')}, expected {expected}: corrupt or mismatched")
-        value = 0
+        digest = ser.new_digest(plan.checksum)
         for target in plan.chunk_targets(buffers, index):
             for start in range(0, len(target), PIECE_BYTES):
                 piece = target[start:start + PIECE_BYTES]
@@ -493,8 +501,9 @@ class _Fetch:
                         raise CheckpointError(f"chunk {index} of step {self.step} from {self.url} was truncated; "
                                               "the source closed the connection")
                     got += n
-                value = zlib.crc32(piece, value)
-        ser.check_crc(value, resp.read(ser.CRC.size), f"chunk {index} of step {self.step} from {self.url}")
+                digest.update(piece)
+        ser.check_crc(digest.intdigest(), resp.read(ser.DIGEST.size),
+                      f"chunk {index} of step {self.step} from {self.url}", ser.DIGEST)
 
     def worker(self, conn: _Connection | None, plan: ser.Plan, buffers: list[Any], todo: queue.SimpleQueue) -> None:
         try:

@@ -4,7 +4,8 @@ Per transfer, in this order on both sides (the order matters for NCCL, which ign
     tag 1: the header frame length (one int64)
     tag 2: the header frame (the same validated JSON header as the HTTP transport, never pickle)
     tag 4+i: the raw bytes of blob i (tensor storages, numpy arrays, bytes), skipping empty blobs
-    tag 3: one crc32 per blob (-1 where the sender had the bytes only on a device)
+    tag 3: one digest per blob (the header's checksum, as int64; -1 where the sender had the bytes only
+           on a device and could not hash them without a copy)
 A receiver that finds the wrong step still drains the blobs, so the group stays usable and the
 sender does not hang, then raises a CheckpointError.
 """
@@ -13,9 +14,9 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,8 +27,17 @@ from ft_core.errors import CheckpointError, FTTimeoutError
 
 logger = logging.getLogger(__name__)
 
-TAG_LENGTH, TAG_HEADER, TAG_CRC, TAG_BLOB = 1, 2, 3, 4
-NO_CRC = -1
+TAG_LENGTH, TAG_HEADER, TAG_DIGEST, TAG_BLOB = 1, 2, 3, 4
+NO_DIGEST = -1
+
+
+def _signed64(value: int) -> int:
+    """A u64 digest as the int64 a tensor can carry."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _digest(name: str, t: torch.Tensor) -> int:
+    return _signed64(ser.digest_views(name, [memoryview(t.numpy())]))
 
 
 def _host_tensor(view: memoryview) -> torch.Tensor:
@@ -49,7 +59,7 @@ class PGTransport(CheckpointTransport[Any]):
     """Sends and receives checkpoints over `pg` (send/recv with tags); see the module doc for the wire order."""
 
     def __init__(self, pg: Any, timeout: timedelta | float = timedelta(seconds=60),
-                 device: torch.device | str = torch.device("cpu"),
+                 device: torch.device | str = "cpu",
                  state_dict: Callable[[], Any] | None = None) -> None:
         self._pg = pg
         self.timeout_s = seconds(timeout)
@@ -100,12 +110,12 @@ class PGTransport(CheckpointTransport[Any]):
             works.append((self._pg.send([length], dst, TAG_LENGTH), dst, "header length"))
             works.append((self._pg.send([header], dst, TAG_HEADER), dst, "header"))
             works.extend((self._pg.send([t], dst, TAG_BLOB + i), dst, f"blob {i}") for i, t in blobs)
-        crcs = torch.full((len(encoded.blobs),), NO_CRC, dtype=torch.int64)
-        for index, t in blobs:  # checksums run while the sends are in flight
+        digests = torch.full((len(encoded.blobs),), NO_DIGEST, dtype=torch.int64)
+        for index, t in blobs:  # hashing runs while the sends are in flight
             if t.device.type == "cpu":
-                crcs[index] = zlib.crc32(memoryview(t.numpy()))
-        crcs = self._comm(crcs)
-        works.extend((self._pg.send([crcs], dst, TAG_CRC), dst, "checksums") for dst in dst_ranks)
+                digests[index] = _digest(encoded.checksum, t)
+        digests = self._comm(digests)
+        works.extend((self._pg.send([digests], dst, TAG_DIGEST), dst, "checksums") for dst in dst_ranks)
         for work, dst, what in works:
             self._wait(work, deadline, f"send of step {step} ({what})", dst)
         logger.info("checkpoint sent over process group", extra={"step": step, "dst_ranks": list(dst_ranks),
@@ -117,52 +127,46 @@ class PGTransport(CheckpointTransport[Any]):
         """Receive step `step` from `src_rank`. Tensors land on the CPU, or in place in `state_dict()`'s tensors."""
         deadline = time.monotonic() + seconds(timeout)
         what = f"receive of step {step}"
-        length = self._comm(torch.zeros(1, dtype=torch.int64))
+        length = torch.zeros(1, dtype=torch.int64, device=self._device)
         self._wait(self._pg.recv([length], src_rank, TAG_LENGTH), deadline, what + " (header length)", src_rank)
         nbytes = int(length.item())
         if not ser.HEADER_PREFIX_BYTES + ser.CRC.size <= nbytes <= ser.HEADER_PREFIX_BYTES + ser.MAX_HEADER_BYTES \
-                + ser.CRC.size:
+                + ser.CRC.size:  # the header frame ends with its own crc32
             raise CheckpointError(f"checkpoint header from rank {src_rank} claims {nbytes} bytes: corrupt stream "
                                   "or a peer running another protocol")
-        frame = self._comm(torch.empty(nbytes, dtype=torch.uint8))
+        frame = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
         self._wait(self._pg.recv([frame], src_rank, TAG_HEADER), deadline, what + " (header)", src_rank)
         plan = ser.parse_header_frame(memoryview(frame.cpu().numpy()))
         right_step = plan.step == step
         local = self._state_dict() if self._state_dict is not None and right_step else None
         overrides, preset, copies = ser.in_place_targets(plan, local)
-        buffers = plan.allocate({b: t for b, t in preset.items() if t.device.type == "cpu"})
+        buffers = plan.allocate(preset)  # in-place targets (any device) stand in for their blobs
+        targets = {index: _buffer_tensor(buffers[index]) for index, size in enumerate(plan.blob_sizes) if size}
         comm: dict[int, torch.Tensor] = {}
         works = []
-        for index, size in enumerate(plan.blob_sizes):
-            if size == 0:
-                continue
-            target = preset.get(index)
-            if target is None:
-                target = _buffer_tensor(buffers[index])
-            comm[index] = self._comm(torch.empty(size, dtype=torch.uint8)) if target.device != self._device \
-                else target
+        for index, target in targets.items():
+            on_device = target.device == self._device
+            comm[index] = target if on_device else torch.empty(target.numel(), dtype=torch.uint8, device=self._device)
             works.append((index, self._pg.recv([comm[index]], src_rank, TAG_BLOB + index)))
-        crcs = self._comm(torch.zeros(len(plan.blob_sizes), dtype=torch.int64))
-        crc_work = self._pg.recv([crcs], src_rank, TAG_CRC)
+        digests = torch.zeros(len(plan.blob_sizes), dtype=torch.int64, device=self._device)
+        digest_work = self._pg.recv([digests], src_rank, TAG_DIGEST)
         actual: dict[int, int] = {}
-        for index, work in works:
+        for index, work in works:  # hash each blob while the next ones are still arriving
             self._wait(work, deadline, f"{what} (blob {index})", src_rank)
-            target = preset.get(index)
-            if target is None:
-                target = _buffer_tensor(buffers[index])
+            target = targets[index]
             if comm[index] is not target:
                 target.copy_(comm[index])
             if target.device.type == "cpu":
-                actual[index] = zlib.crc32(memoryview(target.numpy()))
-        self._wait(crc_work, deadline, what + " (checksums)", src_rank)
+                actual[index] = _digest(plan.checksum, target)
+        self._wait(digest_work, deadline, what + " (checksums)", src_rank)
         if not right_step:
             raise CheckpointError(f"rank {src_rank} sent step {plan.step} but step {step} was expected; the quorum "
                                   "and the source disagree, retry at the next quorum")
-        expected = crcs.cpu().tolist()
+        expected = digests.cpu().tolist()
         for index, value in actual.items():
-            if expected[index] != NO_CRC and expected[index] != value:
+            if expected[index] != NO_DIGEST and expected[index] != value:
                 raise CheckpointError(f"blob {index} of step {step} from rank {src_rank} fails its checksum "
-                                      f"(crc32 {value:#010x} != {expected[index]:#010x}); fetch it again")
+                                      f"({value:#x} != {expected[index]:#x}); fetch it again")
         return plan.build(buffers, ser.fill_copies(plan, buffers, overrides, copies))
 
     def shutdown(self, wait: bool = True) -> None:

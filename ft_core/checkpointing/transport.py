@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from datetime import timedelta
 from types import TracebackType
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -36,7 +36,7 @@ class CheckpointTransport(ABC, Generic[T]):
     def shutdown(self, wait: bool = True) -> None:
         """Release servers, threads and buffers."""
 
-    def __enter__(self) -> "CheckpointTransport[T]":
+    def __enter__(self) -> CheckpointTransport[T]:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -47,7 +47,3 @@ class CheckpointTransport(ABC, Generic[T]):
 def seconds(value: timedelta | float) -> float:
     """A timeout argument as seconds (timedelta or a number)."""
     return value.total_seconds() if isinstance(value, timedelta) else float(value)
-
-
-def describe(value: Any) -> str:
-    return f"{type(value).__module__}.{type(value).__qualname__}"

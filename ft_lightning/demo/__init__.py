@@ -325,7 +325,7 @@ def main(argv: list[str]) -> int:
                               kill_every=args.kill_every or None, seed=args.seed,
                               ok_launch=launcher.succeeded and run.failure is None and not interrupted)
         json_path, png_path = write_report(report, out)
-        _summary(console, Table, report, series, json_path, png_path)
+        _summary(console, Table, report, series, json_path, png_path, interrupted)
         if interrupted:
             return stop.exit_code
         return 0 if report["success"] else 1
@@ -336,7 +336,7 @@ def main(argv: list[str]) -> int:
 
 
 def _summary(console: Any, table_cls: Any, report: dict[str, Any], series: dict[int, GroupSeries],
-             json_path: str, png_path: str) -> None:
+             json_path: str, png_path: str, interrupted: bool) -> None:
     def secs(x: float | None) -> str:
         return "-" if x is None else f"{x:.2f}s"
 
@@ -345,14 +345,15 @@ def _summary(console: Any, table_cls: Any, report: dict[str, Any], series: dict[
     t.add_row("failures injected", str(report["failures_injected"]))
     t.add_row("failures survived", str(report["failures_survived"]))
     t.add_row("heals", str(report["heals"]))
-    t.add_row("time to heal (p50 / max)", f"{secs(report['heal_time_s']['p50'])} / {secs(report['heal_time_s']['max'])}")
-    t.add_row("kill to training again (p50 / max)",
-              f"{secs(report['recovery_time_s']['p50'])} / {secs(report['recovery_time_s']['max'])}")
+    heal, back = report["heal_time_s"], report["recovery_time_s"]
+    t.add_row("time to heal (p50 / max)", f"{secs(heal['p50'])} / {secs(heal['max'])}")
+    t.add_row("kill to training again (p50 / max)", f"{secs(back['p50'])} / {secs(back['max'])}")
     t.add_row("longest commit gap", secs(report["longest_commit_gap_s"]))
     t.add_row("final weights", "identical in every group" if report["weights_identical"] else "NOT identical")
     console.print(t)
     sample = next((s.end.get("sample") for s in series.values() if s.end and s.end.get("sample")), None)
     if sample:
         console.print("[dim]the model now writes:[/]", repr(sample))
-    verdict = "[bold green]success[/]" if report["success"] else "[bold red]failed[/]"
+    verdict = ("[yellow]interrupted[/] (partial)" if interrupted
+               else "[bold green]success[/]" if report["success"] else "[bold red]failed[/]")
     console.print(f"{verdict}: report {json_path}, plot {png_path}")

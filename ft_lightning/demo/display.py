@@ -10,8 +10,9 @@ from rich.table import Table
 from rich.text import Text
 
 STATE_STYLE = {
-    "starting": "yellow", "training": "bold green", "waiting": "magenta", "stopping": "green", "healing": "bold cyan", "dead": "bold red",
-    "restarting": "yellow", "done": "green", "lost": "red", "stopped": "dim",
+    "starting": "yellow", "training": "bold green", "waiting": "magenta", "healing": "bold cyan",
+    "dead": "bold red", "restarting": "yellow", "stopping": "green", "done": "green", "lost": "red",
+    "stopped": "dim",
 }
 
 

@@ -271,7 +271,8 @@ def plot_report(report: Mapping[str, Any], path: str) -> None:
             if h["step"]:  # the initial weight copy at step 0 is not a recovery
                 ax_loss.plot([h["step"]], [_loss_at(s, h["step"])], **heal_style)
     for i, k in enumerate(failures):
-        ax_loss.axvline(k["step"], color="tab:red", ls="--", lw=1, alpha=0.7, label="failure (SIGKILL)" if not i else None)
+        ax_loss.axvline(k["step"], color="tab:red", ls="--", lw=1, alpha=0.7,
+                        label="failure (SIGKILL)" if not i else None)
     ax_loss.plot([], [], label="heal", **heal_style)
     ax_loss.set(xlabel="committed step", ylabel="training loss", title=_title(report))
 
