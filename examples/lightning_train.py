@@ -22,11 +22,11 @@ import argparse
 import math
 import os
 
+import lightning.pytorch as pl
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 import ft_lightning  # noqa: F401  (registers the "fault_tolerant_ddp" strategy name)
-import lightning.pytorch as pl
-from torch.utils.data import DataLoader, TensorDataset
 
 
 def spirals(n: int, seed: int, noise: float = 0.15) -> TensorDataset:

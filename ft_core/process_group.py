@@ -236,17 +236,81 @@ class ProcessGroupWrapper(ProcessGroup):
         return work
 
 
+def _socket_inodes() -> dict[int, str]:
+    """{fd: "socket:[inode]"} for this process's sockets (empty where /proc is not available)."""
+    found: dict[int, str] = {}
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            found[int(name)] = target
+    return found
+
+
+def _shutdown_sockets(owned: dict[int, str]) -> int:
+    """shutdown(2) each socket still open under the same fd and inode; returns how many.
+
+    Only shutdown, never close: the fds stay owned by the backend, which closes them itself.
+    """
+    import socket
+
+    count = 0
+    for fd, target in owned.items():
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != target:
+                continue  # closed (and maybe reused by someone else): not ours any more
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            # Leave listeners alone: Gloo's accept loop treats a shut-down listener as fatal.
+            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                sock.shutdown(socket.SHUT_RDWR)
+                count += 1
+        except OSError:
+            pass
+        finally:
+            sock.detach()
+    return count
+
+
 class ProcessGroupGloo(ProcessGroupWrapper):
-    """Gloo (CPU tensors; CUDA tensors too, staged by Gloo). ReduceOp.AVG is not supported by Gloo."""
+    """Gloo (CPU tensors; CUDA tensors too, staged by Gloo). ReduceOp.AVG is not supported by Gloo.
+
+    Gloo's own abort() neither wakes a pending op nor tells the peers (torch 2.13: both wait for the
+    full timeout), so abort also shuts down the sockets the backend opened at configure: the local
+    op and every peer's op on those connections fail at once, and the survivors rebuild sooner.
+    """
 
     BACKEND = "gloo"
+
+    def __init__(self, timeout: timedelta | float | None = None) -> None:
+        super().__init__(timeout)
+        self._owned_sockets: dict[int, str] = {}
 
     def _create_backend(self, store: Any, store_host: str, rank: int, world_size: int, name: str,
                         global_ranks: list[int] | None) -> Any:
         # Bind where the store is reachable: loopback for a loopback store, else the default interface.
         hostname = "127.0.0.1" if is_loopback(store_host) else ""
-        return new_backend("gloo", store, rank, world_size, self._timeout, self._timeout, hostname, name,
-                           global_ranks)
+        before = _socket_inodes()
+        backend = new_backend("gloo", store, rank, world_size, self._timeout, self._timeout, hostname, name,
+                              global_ranks)
+        after = _socket_inodes()
+        self._owned_sockets = {fd: t for fd, t in after.items() if before.get(fd) != t}
+        return backend
+
+    def _drop_backend(self, reason: str) -> None:
+        owned, self._owned_sockets = self._owned_sockets, {}
+        if owned and reason == "abort":
+            closed = _shutdown_sockets(owned)
+            logger.info("gloo abort shut down %d connection(s)", closed, extra={"backend": self.BACKEND})
+        super()._drop_backend(reason)
 
 
 class _AcceleratorGroup(ProcessGroupWrapper):

@@ -61,7 +61,7 @@ class FTSettings:
                 quorum_timeout: timedelta | float | None = None,
                 connect_timeout: timedelta | float | None = None, world_size_mode: str | None = None,
                 token: str | None = None, cross_group_backend: str | None = None,
-                use_async_quorum: bool | None = None, manager_port: int | None = None) -> "FTSettings":
+                use_async_quorum: bool | None = None, manager_port: int | None = None) -> FTSettings:
         groups = resolve_int(num_replica_groups, "NUM_REPLICA_GROUPS", 1)
         group = resolve_int(replica_group_id, "REPLICA_GROUP_ID", 0)
         if groups < 1:
@@ -124,13 +124,13 @@ def create_manager(settings: FTSettings, *, group_rank: int, group_world_size: i
     pg = ProcessGroupNCCL(timeout=settings.timeout) if backend == "nccl" else ProcessGroupGloo(timeout=settings.timeout)
     mode = WorldSizeMode.FIXED_WITH_SPARES if settings.world_size_mode == "fixed_with_spares" else WorldSizeMode.DYNAMIC
     replica_id = settings.replica_id or f"{settings.group_dir_name()}"
-    kwargs: dict[str, Any] = dict(
-        pg=pg, min_replica_size=settings.min_replica_size, use_async_quorum=settings.use_async_quorum,
-        timeout=settings.timeout, quorum_timeout=settings.quorum_timeout, connect_timeout=settings.connect_timeout,
-        rank=group_rank, world_size=group_world_size, world_size_mode=mode, store_addr=store_addr,
-        store_port=store_port, lighthouse_addr=settings.lighthouse_addr, replica_id=replica_id,
-        port=settings.manager_port, token=settings.token,
-    )
+    kwargs: dict[str, Any] = {
+        "pg": pg, "min_replica_size": settings.min_replica_size, "use_async_quorum": settings.use_async_quorum,
+        "timeout": settings.timeout, "quorum_timeout": settings.quorum_timeout, "connect_timeout": settings.connect_timeout,
+        "rank": group_rank, "world_size": group_world_size, "world_size_mode": mode, "store_addr": store_addr,
+        "store_port": store_port, "lighthouse_addr": settings.lighthouse_addr, "replica_id": replica_id,
+        "port": settings.manager_port, "token": settings.token,
+    }
     kwargs.update(extra or {})
     logger.info("ft_lightning: starting the Manager of replica group %d/%d, group rank %d/%d, cross-group %s: %s",
                 settings.replica_group_id, settings.num_replica_groups, group_rank, group_world_size, backend,

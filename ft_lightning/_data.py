@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 

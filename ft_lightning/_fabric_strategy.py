@@ -21,8 +21,15 @@ import logging
 from datetime import timedelta
 from typing import Any
 
-from ft_lightning._common import (FTSettings, capture_rng, create_manager, forget_unscale, from_transport,
-                                  restore_rng, to_transport)
+from ft_lightning._common import (
+    FTSettings,
+    capture_rng,
+    create_manager,
+    forget_unscale,
+    from_transport,
+    restore_rng,
+    to_transport,
+)
 from ft_lightning._registration import STRATEGY_NAME
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,8 @@ which keeps Lightning's own increments made during the step consistent.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import sys
 
 TYPE_CHECKING = False  # typing costs ~5 ms at start-up; annotations only
 if TYPE_CHECKING:
-    from typing import Any, Callable
+    from typing import Any
 
 STRATEGY_NAME = "fault_tolerant_ddp"
 
@@ -55,7 +55,7 @@ def register(namespace: str, cls: Any = None) -> bool:
             cls = getattr(importlib.import_module(ours), class_name)
         registry = getattr(importlib.import_module(registry_module), registry_name)
         cls.register_strategies(registry)
-    except Exception as exc:  # never break the user's `import lightning` because of us
+    except Exception as exc:  # noqa: BLE001 - never break the user's `import lightning` because of us
         import logging
 
         logging.getLogger(__name__).warning(
@@ -121,10 +121,9 @@ def install() -> None:
     """Register in the Lightning namespaces already imported; hook the others' first import."""
     global _finder
     for namespace in TARGETS:
-        if namespace in sys.modules and getattr(sys.modules[namespace], "__spec__", None) is not None:
-            # a namespace still importing (we are inside its import) is finished by the hook
-            if not _importing(namespace):
-                register(namespace)
+        # a namespace still importing (we are inside its import) cannot be registered yet
+        if namespace in sys.modules and not _importing(namespace):
+            register(namespace)
     if _finder is None and not all(ns in _done for ns in TARGETS):
         _finder = _RegisterAfterImport()
         sys.meta_path.insert(0, _finder)

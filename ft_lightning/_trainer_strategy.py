@@ -18,12 +18,20 @@ that crosses groups goes through the Manager:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 from ft_lightning import _data, _dirs, _progress
-from ft_lightning._common import (FTSettings, capture_rng, create_manager, forget_unscale, from_transport,
-                                  restore_rng, to_transport)
+from ft_lightning._common import (
+    FTSettings,
+    capture_rng,
+    create_manager,
+    forget_unscale,
+    from_transport,
+    restore_rng,
+    to_transport,
+)
 from ft_lightning._registration import STRATEGY_NAME
 
 logger = logging.getLogger(__name__)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from lightning_fabric.strategies import DDPStrategy
 
-from ft_lightning._registration import register
 from ft_lightning._fabric_strategy import FaultTolerantFabricMixin
+from ft_lightning._registration import register
 
 __all__ = ["FaultTolerantFabricDDPStrategy"]
 

@@ -16,8 +16,9 @@ import torch
 
 torch.set_num_threads(1)
 
-import ft_lightning  # noqa: E402,F401  (registers "fault_tolerant_ddp")
-from lightning.fabric import Fabric  # noqa: E402
+from lightning.fabric import Fabric
+
+import ft_lightning  # noqa: F401  (registers "fault_tolerant_ddp")
 
 
 class EventCounter(logging.Handler):

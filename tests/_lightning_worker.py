@@ -20,11 +20,11 @@ import torch
 
 torch.set_num_threads(1)
 
-import ft_lightning  # noqa: E402  (registers "fault_tolerant_ddp")
-import lightning.pytorch as pl  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, TensorDataset
 
-from ft_core.manager import Manager  # noqa: E402
+import ft_lightning  # noqa: F401  (registers "fault_tolerant_ddp", as a user script would)
+from ft_core.manager import Manager
 
 ALLREDUCES = [0]
 _original_allreduce = Manager._allreduce_future
@@ -124,6 +124,8 @@ class Recorder(pl.Callback):
             self.before = self._state(trainer)
             if self.failed_step is not None and "before" in self.failed_step and self.failed_step["after"] is None:
                 self.failed_step["after"] = self.before  # everything Lightning does after a step is done
+                with open(os.path.join(self.args.out, f"failed_step_g{self.args.group}.json"), "w") as f:
+                    json.dump(self.failed_step, f)
 
     def on_after_backward(self, trainer, pl_module):  # type: ignore[no-untyped-def]
         accumulate = trainer.accumulate_grad_batches
@@ -152,7 +154,7 @@ class Recorder(pl.Callback):
         summary = {"group": self.args.group, "rank": rank, "global_step": trainer.global_step,
                    "epoch": trainer.current_epoch, "manager_step": trainer.strategy.manager.current_step(),
                    "lr": trainer.optimizers[0].param_groups[0]["lr"], "allreduces": ALLREDUCES[0],
-                   "events": self.events.counts, "failed_step": self.failed_step,
+                   "events": self.events.counts,
                    "resumed_manager_step": self.resumed_manager_step, "samplers": self.samplers,
                    "root_dir": trainer.default_root_dir, "world_size": trainer.world_size}
         with open(os.path.join(self.args.out, f"summary_g{self.args.group}_r{rank}.json"), "w") as f:
@@ -164,6 +166,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--group", type=int, required=True)
     parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--samples", type=int, default=32)
@@ -186,7 +189,7 @@ def main() -> None:
     if args.checkpoint:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=2,
                                                       save_top_k=1))
-    trainer = pl.Trainer(strategy="fault_tolerant_ddp", accelerator="cpu", devices=args.devices,
+    trainer = pl.Trainer(strategy="fault_tolerant_ddp", accelerator=args.accelerator, devices=args.devices,
                          max_epochs=args.epochs, accumulate_grad_batches=args.accumulate,
                          default_root_dir=args.out, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, enable_checkpointing=args.checkpoint,

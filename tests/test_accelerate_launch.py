@@ -126,7 +126,7 @@ def test_config_file_groups_survive_a_kill_heal_end_identical_and_allreduce_once
         tmp_path, processes, lighthouse):
     config = tmp_path / "fault_tolerance.yaml"
     assert cli.main(["config", "--no-input", "--config-file", str(config), "--lighthouse", lighthouse,
-                     "--num-replica-groups", "2", "--timeout", "15", "--quorum-timeout", "40"]) == 0
+                     "--num-replica-groups", "2", "--timeout", "15", "--quorum-timeout", "50"]) == 0
     out = tmp_path / "out"
     out.mkdir()
     env = group_env(tmp_path)
@@ -152,7 +152,7 @@ def test_config_file_groups_survive_a_kill_heal_end_identical_and_allreduce_once
     for name, (stats, _) in found.items():
         # The config file's settings reached the worker (exported by the launcher as FT_* variables).
         assert stats["settings"]["lighthouse"] == lighthouse and stats["settings"]["timeout"] == 15.0
-        assert stats["sources"]["timeout"] == "env FT_TIMEOUT_SEC" and stats["settings"]["quorum_timeout"] == 40.0
+        assert stats["sources"]["timeout"] == "env FT_TIMEOUT_SEC" and stats["settings"]["quorum_timeout"] == 50.0
         assert stats["step"] == 8, name
         # Gradient accumulation 4: one cross-group allreduce per optimizer step, none per micro-batch.
         assert stats["micro_batches"] == 4 * stats["windows"], name

@@ -1,5 +1,6 @@
-"""ft_lightning.accelerate settings: the plugin's environment resolution, the config file, the launch
-command's precedence, and what may travel to a healing group. Pure rules, table-driven; no processes."""
+"""ft_lightning.accelerate in one process: the plugin's environment resolution, the config file and the
+`ftl accelerate config|launch` rules (table-driven), what may travel to a healing group, and commit
+gating of a FaultTolerantAccelerator against a real loopback lighthouse."""
 
 from __future__ import annotations
 
@@ -262,6 +263,8 @@ def accelerator_factory(clean_env):
                 accelerator.ft_shutdown()
             AcceleratorState._reset_state(True)
             GradientState._reset_state()
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
 
 
 def _snapshot(model, optimizer, scheduler):
@@ -340,6 +343,34 @@ def test_on_cuda_with_nccl_and_fp16_a_skipped_step_changes_nothing_and_training_
     _check_commit_gating(accelerator, clip=True)  # clipping unscales: a skipped step must forget that
 
 
+@pytest.mark.timeout(60)
+def test_a_one_process_multi_cpu_group_allreduces_across_groups_once_per_accumulated_step(accelerator_factory,
+                                                                                          monkeypatch):
+    import socket
+
+    from accelerate.utils import DistributedType
+
+    with socket.socket() as s:  # torchrun's variables for a one-process group, on a free loopback port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    accelerator = accelerator_factory(gradient_accumulation_steps=4)
+    # Accelerate wraps the model in its own DDP here but, with one process, never applies no_sync.
+    assert accelerator.distributed_type == DistributedType.MULTI_CPU and not accelerator.use_distributed
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    for _ in range(8):
+        with accelerator.accumulate(model):
+            accelerator.backward(model(torch.randn(2, 4)).pow(2).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+    assert accelerator.ft_stats == {"step": 2, "commits": 2, "skipped": 0, "cross_group_allreduces": 2}
+
+
 def test_importing_the_accelerate_integration_does_not_import_lightning():
     code = ("import sys, ft_lightning.accelerate as a; a.FaultTolerantAccelerator; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')]; "
@@ -385,10 +416,21 @@ def test_config_command_asks_on_a_terminal_keeps_defaults_on_enter_and_asks_agai
 
     try:
         os.write(master, ("\n".join(typed_ahead) + "\n").encode())
-        read_until(b"(FT_TOKEN)", 30)  # the token prompt flushes typed-ahead input: answer it once asked
-        os.write(master, b"\n")
-        read_until(b"wrote ", 20)
-        assert proc.wait(timeout=20) == 0, transcript.decode(errors="replace")
+        read_until(b"(FT_TOKEN)", 30)
+        # The hidden token prompt flushes input typed ahead (also an Enter sent just before it switched
+        # the echo off): press Enter until the file is written.
+        end = time.monotonic() + 20
+        while b"wrote " not in transcript and time.monotonic() < end:
+            try:
+                os.write(master, b"\n")
+            except OSError:  # the child is gone
+                break
+            read_until(b"wrote ", 0.5)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"config still waiting after its last answer:\n{transcript.decode(errors='replace')}")
+        assert proc.returncode == 0, transcript.decode(errors="replace")
     finally:
         os.close(master)
         if proc.poll() is None:
@@ -398,3 +440,27 @@ def test_config_command_asks_on_a_terminal_keeps_defaults_on_enter_and_asks_agai
     assert load_config(str(path)) == {
         "lighthouse": LH, "num_replica_groups": 2, "min_replica_size": 1, "timeout": 30.0, "quorum_timeout": 60.0,
         "connect_timeout": 60.0, "world_size_mode": "fixed_with_spares", "backend": "auto", "async_quorum": False}
+
+
+CPU_LAUNCH_CASES = [
+    # (cpu, num_processes, mpirun hostfile, rewritten to torchrun on CPU)
+    (True, 2, None, True),
+    (True, 1, None, False),
+    (True, None, None, False),
+    (False, 2, None, False),
+    (True, 4, "hosts.txt", False),  # MPI launches the processes itself
+]
+
+
+@pytest.mark.parametrize("cpu,num_processes,hostfile,rewritten", CPU_LAUNCH_CASES)
+def test_launch_runs_several_cpu_processes_through_torchrun(cpu, num_processes, hostfile, rewritten):
+    import argparse
+
+    from ft_lightning.accelerate.cli import run_cpu_processes_with_torchrun
+
+    args = argparse.Namespace(cpu=cpu, num_processes=num_processes, mpirun_hostfile=hostfile, config_file=None,
+                              multi_gpu=False)
+    environ: dict[str, str] = {}
+    assert run_cpu_processes_with_torchrun(args, environ) is rewritten
+    assert (args.multi_gpu, args.cpu, environ.get("ACCELERATE_USE_CPU")) == \
+        ((True, False, "true") if rewritten else (False, cpu, None))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -160,8 +161,8 @@ def test_a_healing_steps_loss_is_not_shown():
     assert series.last_loss == 1.5
 
 
-@pytest.mark.parametrize("rate, expect", [(0, 5), (1, 5), (10, 30), (40, 120)])
-def test_stop_margin_is_about_three_seconds_of_progress(rate, expect):
+@pytest.mark.parametrize("rate, expect", [(0, 5), (1, 5), (10, 20), (40, 80)])
+def test_stop_margin_is_about_two_seconds_of_progress(rate, expect):
     now = 100.0
     steps = [(i, now - 5 + (i + 0.5) / rate) for i in range(5 * rate)] if rate else []
     assert stop_margin(steps, now) == expect
@@ -182,6 +183,16 @@ def test_tail_returns_whole_lines_only_and_skips_torn_ones(tmp_path):
 
 
 # ----------------------------------------------------------------------------- the real thing
+def _communicate(proc: subprocess.Popen, timeout: float) -> str:
+    """Its output once it exits; past `timeout`, Ctrl-C it first so it ends the groups it started (they
+    live in their own sessions: the fixture's SIGKILL of its process group would not reach them)."""
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=30)[0]
+        raise AssertionError(f"still running after {timeout} s; output:\n{(out or '')[-3000:]}") from None
+
 
 @pytest.mark.timeout(150)
 def test_demo_survives_failures_and_ends_with_identical_weights(tmp_path, processes):
@@ -189,7 +200,7 @@ def test_demo_survives_failures_and_ends_with_identical_weights(tmp_path, proces
     proc = processes.spawn([sys.executable, "-m", "ft_core.cli", "demo", "--duration", "30", "--kill-every", "7",
                             "--out", str(out)], env=child_env(COLUMNS="120"), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
-    text, _ = proc.communicate(timeout=140)
+    text = _communicate(proc, 130)
     assert proc.returncode == 0, text[-4000:]
     report = json.loads((out / "report.json").read_text())
     assert report["failures_survived"] >= 2, text[-4000:]

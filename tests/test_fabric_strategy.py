@@ -9,7 +9,6 @@ import subprocess
 
 import pytest
 import torch
-
 from conftest import REPO_ROOT, child_env
 
 WORKER = os.path.join(REPO_ROOT, "tests", "_fabric_worker.py")

@@ -42,16 +42,25 @@ UINT64 = st.integers(0, 2**64 - 1)
 TEXT = st.one_of(st.text(max_size=40), st.text(max_size=1500), st.sampled_from(["", "a", "127.0.0.1:1", "\x00", "é"]))
 
 
-def outcome(invoke, *args, **kwargs) -> str:
-    """Call; return 'ok' or the status code name; fail on an unclean status or a slow answer."""
+def unparsable(err: grpc.RpcError) -> bool:
+    """grpc's own answer to bytes that are not the method's protobuf (raised before any handler runs)."""
+    details = err.details() or ""
+    return err.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) and \
+        ("deserializ" in details or "DecodeError" in details)
+
+
+def outcome(invoke, *args, raw: bool = False, **kwargs) -> str:
+    """Call; return 'ok' or the status code name; fail on an unclean status or a slow answer.
+
+    raw: the request is arbitrary bytes, so grpc's parse failure is a clean answer too.
+    """
     started = time.monotonic()
     try:
         invoke(*args, timeout=CALL_TIMEOUT_S, **kwargs)
         result = "ok"
     except grpc.RpcError as err:
         code = err.code()
-        assert code in CLEAN or (code == grpc.StatusCode.INTERNAL and "deserializ" in (err.details() or "")), \
-            f"unclean status {code}: {err.details()}"
+        assert code in CLEAN or (raw and unparsable(err)), f"unclean status {code}: {err.details()}"
         result = code.name
     assert time.monotonic() - started < ANSWER_BOUND_S
     return result
@@ -86,11 +95,19 @@ def lighthouse_stub(address: str) -> tuple[grpc.Channel, ft_pb2_grpc.LighthouseS
     return channel, ft_pb2_grpc.LighthouseServiceStub(channel)
 
 
-def assert_lighthouse_serves(address: str) -> None:
-    channel, stub = lighthouse_stub(address)
+def assert_lighthouse_serves(server: LighthouseServer) -> None:
+    channel, stub = lighthouse_stub(server.address())
     with channel:
         member = ft_pb2.QuorumMember(replica_id=f"healthy-{time.monotonic_ns()}", world_size=1)
-        response = stub.Quorum(ft_pb2.LighthouseQuorumRequest(requester=member), timeout=30)
+        deadline = time.monotonic() + 30
+        while True:  # short calls: each one is a fresh heartbeat (the fuzzed members expire meanwhile)
+            try:
+                response = stub.Quorum(ft_pb2.LighthouseQuorumRequest(requester=member), timeout=1)
+                break
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() > deadline:
+                    raise AssertionError(f"lighthouse no longer issues quorums ({err.code()}: {err.details()}); "
+                                         f"status: {server.core.status()}") from None
         assert member.replica_id in [m.replica_id for m in response.quorum.participants]
 
 
@@ -116,7 +133,7 @@ def test_lighthouse_survives_malformed_protobuf_values(lighthouse):
 
     with channel:
         fuzz()
-    assert_lighthouse_serves(lighthouse.address())
+    assert_lighthouse_serves(lighthouse)
 
 
 @pytest.mark.parametrize("method", ["Quorum", "Heartbeat", "HeartbeatStream"])
@@ -129,14 +146,14 @@ def test_lighthouse_survives_raw_bytes_as_messages(lighthouse, method):
     def fuzz(payload):
         if method == "HeartbeatStream":
             call = channel.stream_stream(path, request_serializer=None, response_deserializer=None)
-            outcome(lambda timeout: list(call(iter([payload, payload]), timeout=timeout)))
+            outcome(lambda timeout: list(call(iter([payload, payload]), timeout=timeout)), raw=True)
         else:
             call = channel.unary_unary(path, request_serializer=None, response_deserializer=None)
-            outcome(call, payload)
+            outcome(call, payload, raw=True)
 
     with channel:
         fuzz()
-    assert_lighthouse_serves(lighthouse.address())
+    assert_lighthouse_serves(lighthouse)
 
 
 def raw_tcp(address: str, payload: bytes) -> None:
@@ -165,7 +182,7 @@ def test_grpc_ports_survive_random_bytes_on_the_socket(lighthouse, manager_serve
         raw_tcp(lighthouse.address() if target == "lighthouse" else manager_server.address(), payload)
 
     fuzz()
-    assert_lighthouse_serves(lighthouse.address())
+    assert_lighthouse_serves(lighthouse)
     channel = grpc.insecure_channel(manager_server.address())
     with channel:
         stub = ft_pb2_grpc.ManagerServiceStub(channel)
@@ -193,7 +210,7 @@ def test_manager_server_survives_malformed_requests(manager_server):
         for method in ("Quorum", "ShouldCommit", "CheckpointMetadata", "Kill"):
             call = channel.unary_unary(f"/ftl.ManagerService/{method}", request_serializer=None,
                                        response_deserializer=None)
-            outcome(call, raw)
+            outcome(call, raw, raw=True)
 
     with channel:
         fuzz()
@@ -245,10 +262,13 @@ def http_exchange(port: int, request: bytes) -> bytes:
         except (TimeoutError, ConnectionError, OSError):
             pass
         assert time.monotonic() - started < ANSWER_BOUND_S + 3
-    if received:
+    # http.server answers a request without a usable HTTP/1.x version the HTTP/0.9 way: no status line,
+    # just the page or its error page ("Error code explanation: 400/505 ...").
+    simple = len(request.split(b"\r\n", 1)[0].split()) < 3 or b"Error code explanation" in received
+    if received and not simple:
         assert received.startswith(b"HTTP/1."), received[:100]
         status = int(received.split(b" ", 2)[1])
-        assert 200 <= status < 600
+        assert 100 <= status < 600
     return received
 
 

@@ -251,6 +251,17 @@ def _ftl(*args: str) -> list[str]:
     return [sys.executable, "-m", "ft_core.cli", *args]
 
 
+def _communicate(proc: subprocess.Popen, timeout: float) -> str:
+    """Its output once it exits; past `timeout`, Ctrl-C it first so it ends the groups it started (they
+    live in their own sessions: the fixture's SIGKILL of its process group would not reach them)."""
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=30)[0]
+        raise AssertionError(f"still running after {timeout} s; output:\n{(out or '')[-3000:]}") from None
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("moment", ["at once", "as the first rank starts", "all groups up", "mid-run with restarts"])
 def test_sigint_at_any_moment_leaves_no_process_behind(moment, sleeper, processes):
@@ -272,12 +283,13 @@ def test_sigint_at_any_moment_leaves_no_process_behind(moment, sleeper, processe
         while time.monotonic() < end:
             seen |= _descendants(launch.pid)
             time.sleep(0.02)
-    assert len(seen) >= want, f"only {len(seen)} descendants appeared"
+    appeared = len(seen)
     os.killpg(launch.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
     end = time.monotonic() + 20
     while launch.poll() is None and time.monotonic() < end:
         seen |= _descendants(launch.pid)
         time.sleep(0.02)
+    assert appeared >= want, f"only {appeared} descendants appeared before the SIGINT"
     assert launch.returncode in (130, -signal.SIGINT), f"exit code {launch.returncode}"
     assert _still_running(seen) == set()
 
@@ -292,7 +304,7 @@ def test_sigterm_ends_every_group_and_the_exit_code_says_so(sleeper, processes):
         seen |= _descendants(launch.pid)
         time.sleep(0.02)
     launch.send_signal(signal.SIGTERM)
-    out, _ = launch.communicate(timeout=20)
+    out = _communicate(launch, 20)
     assert launch.returncode == 128 + signal.SIGTERM
     assert _still_running(seen) == set()
     assert "status page: http://127.0.0.1:" in out and "stopped" in out
@@ -338,7 +350,7 @@ def test_no_restart_a_killed_group_is_lost_while_the_survivors_finish_training(t
     launch = processes.spawn(_ftl("launch", "--groups", "3", "--no-restart", "--kill-every", "4", "--max-kills", "1",
                                   "--seed", "5", "--", str(script), "40", "0.05"),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out, _ = launch.communicate(timeout=50)
+    out = _communicate(launch, 50)
     assert launch.returncode == 1, out[-3000:]
     killed = [line for line in out.splitlines() if "killed: fault injection 1/1" in line]
     assert len(killed) == 1, out[-3000:]

@@ -9,13 +9,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO_ROOT, child_env
 
 WORKER = os.path.join(REPO_ROOT, "tests", "_lightning_worker.py")
@@ -74,14 +72,14 @@ def test_transport_encoding_names_what_cannot_be_sent():
 
 
 @pytest.mark.parametrize("env, kwargs, expected", [
-    ({}, {}, dict(replica_group_id=0, num_replica_groups=1, min_replica_size=1, backend="auto",
-                  world_size_mode="dynamic", use_async_quorum=True)),
-    ({"REPLICA_GROUP_ID": "2", "NUM_REPLICA_GROUPS": "3"}, {"replica_group_id": 0}, dict(replica_group_id=2)),
+    ({}, {}, {"replica_group_id": 0, "num_replica_groups": 1, "min_replica_size": 1, "backend": "auto",
+                  "world_size_mode": "dynamic", "use_async_quorum": True}),
+    ({"REPLICA_GROUP_ID": "2", "NUM_REPLICA_GROUPS": "3"}, {"replica_group_id": 0}, {"replica_group_id": 2}),
     ({"FT_BACKEND": "GLOO", "FT_ASYNC_QUORUM": "0"}, {"cross_group_backend": "nccl"},
-     dict(backend="gloo", use_async_quorum=False)),
+     {"backend": "gloo", "use_async_quorum": False}),
     ({"FT_WORLD_SIZE_MODE": "fixed-with-spares", "FT_MIN_REPLICA_SIZE": "2"}, {},
-     dict(world_size_mode="fixed_with_spares", min_replica_size=2)),
-    ({}, {"timeout": 7, "lighthouse_addr": "127.0.0.1:1"}, dict(lighthouse_addr="127.0.0.1:1")),
+     {"world_size_mode": "fixed_with_spares", "min_replica_size": 2}),
+    ({}, {"timeout": 7, "lighthouse_addr": "127.0.0.1:1"}, {"lighthouse_addr": "127.0.0.1:1"}),
 ])
 def test_settings_resolve_environment_over_arguments(monkeypatch, env, kwargs, expected):
     from ft_lightning._common import FTSettings
@@ -192,16 +190,16 @@ def lighthouse():
         yield server
 
 
-def start_group(processes, lighthouse, out: Path, group: int, *args: str, groups: int = 2) -> subprocess.Popen:
+def start_group(processes, lighthouse, out: Path, group: int, *args: str, groups: int = 2,
+                cuda_device: str | None = None) -> subprocess.Popen:
     env = child_env(FT_LIGHTHOUSE=lighthouse.address(), REPLICA_GROUP_ID=str(group),
                     NUM_REPLICA_GROUPS=str(groups), FT_TIMEOUT_SEC="30", FT_QUORUM_TIMEOUT_SEC="90",
                     FT_CONNECT_TIMEOUT_SEC="30", PYTHONWARNINGS="ignore")
-    log = open(out / f"group{group}.log", "ab")
-    try:
+    if cuda_device is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_device
+    with open(out / f"group{group}.log", "ab") as log:  # the child keeps its own copy of the descriptor
         return processes.python(WORKER, "--out", str(out), "--group", str(group), *args, env=env, stdout=log,
                                 stderr=subprocess.STDOUT)
-    finally:
-        log.close()
 
 
 def wait_all(procs: list[subprocess.Popen], out: Path, timeout: float) -> None:
@@ -223,7 +221,7 @@ def summaries(out: Path) -> dict[tuple[int, int], dict]:
     return {(s["group"], s["rank"]): s for s in (json.loads(p.read_text()) for p in out.glob("summary_*.json"))}
 
 
-def expected_batch_sum(group: int, epoch: int, batch_idx: int, groups: int = 2, samples: int = 64) -> float:
+def expected_batch_sum(group: int, epoch: int, batch_idx: int, groups: int = 2, samples: int = 128) -> float:
     """Sum of the inputs of batch `batch_idx` of `epoch` in `group`'s shard (the worker's data and seed)."""
     x = torch.randn(samples, 8, generator=torch.Generator().manual_seed(0))
     sampler = torch.utils.data.DistributedSampler(range(samples), num_replicas=groups, rank=group, shuffle=True,
@@ -242,38 +240,57 @@ def assert_identical_weights(out: Path, expected: int) -> None:
             assert torch.equal(tensor, other[name]), f"{f.name}: {name} differs from {files[0].name}"
 
 
-@pytest.mark.timeout(150)
-def test_two_groups_accumulate_gate_and_heal(processes, lighthouse, tmp_path):
-    """2 groups x 1 device, accumulate_grad_batches=4: one quorum and one cross-group allreduce per
-    optimizer step; a step group 1 fails to commit changes nothing there; it heals at the next step
-    and both end with the same weights, global_step == committed steps, sharded training data."""
-    args = ("--accumulate", "4", "--epochs", "3", "--samples", "64")
-    procs = [start_group(processes, lighthouse, tmp_path, 0, *args),
-             start_group(processes, lighthouse, tmp_path, 1, *args, "--fail-at-step", "2")]
-    wait_all(procs, tmp_path, timeout=140)
+@pytest.mark.timeout(200)
+def test_accumulation_failed_step_kill_resume_and_heal(processes, lighthouse, tmp_path):
+    """2 groups x 1 device, accumulate_grad_batches=4, 2 epochs of 4 optimizer steps, checkpoints every
+    2 steps. Group 1 fails to commit step 2 (nothing changes there; it heals at the next step), then
+    is SIGKILLed mid-epoch after step 5 and restarted: it resumes from its own checkpoint (step 4,
+    the Manager's step too), heals to the survivor's step and continues at the same epoch, batch
+    and data. Both end identical, with global_step == committed steps; one quorum and one
+    cross-group allreduce per optimizer step."""
+    args = ("--accumulate", "4", "--epochs", "2", "--samples", "128", "--checkpoint")
+    survivor = start_group(processes, lighthouse, tmp_path, 0, *args)
+    victim = start_group(processes, lighthouse, tmp_path, 1, *args, "--fail-at-step", "1", "--kill-at-step", "5")
+    assert victim.wait(timeout=150) == -9, logs(tmp_path)
+    restarted = start_group(processes, lighthouse, tmp_path, 1, *args)
+    wait_all([survivor, restarted], tmp_path, timeout=150)
 
     runs = summaries(tmp_path)
     assert set(runs) == {(0, 0), (1, 0)}
     assert_identical_weights(tmp_path, 2)
-    steps = 3 * (64 // 2 // 4) // 4  # epochs * batches per group per epoch / accumulation = 6
+    steps = 2 * (128 // 2 // 4) // 4  # epochs * batches per group per epoch / accumulation = 8
     for (group, _), run in runs.items():
-        assert run["global_step"] == run["manager_step"] == steps, run
-        assert run["epoch"] == 3
-        assert run["allreduces"] == steps, run  # one cross-group allreduce per optimizer step (one chunk)
-        assert run["events"]["quorum"] == steps, run  # one quorum per optimizer step, not per micro-batch
-        assert run["events"]["commit"] == steps, run
+        assert run["global_step"] == run["manager_step"] == steps and run["epoch"] == 2, run
         assert run["lr"] == pytest.approx(0.05 * 0.5 ** (steps // 2))  # StepLR stepped on committed steps only
-        assert run["samplers"] == {"train": [2, group], "val": [1, 0]}
+        assert run["samplers"] == {"train": [2, group], "val": [1, 0]}  # validation stays in the group
         assert run["root_dir"].endswith(f"replica_group_{group}")
-    assert runs[(0, 0)]["events"].get("heal", 0) == 0
-    assert runs[(1, 0)]["events"]["heal"] == 2  # at step 0 (init sync) and after its failed step
+    survivor_run, restarted_run = runs[(0, 0)], runs[(1, 0)]
+    # per optimizer step, not per micro-batch: one quorum, one cross-group allreduce (one chunk), one vote
+    assert survivor_run["events"]["quorum"] == survivor_run["events"]["commit"] == steps, survivor_run
+    assert survivor_run["allreduces"] == steps and survivor_run["events"].get("heal", 0) == 0, survivor_run
+    assert restarted_run["resumed_manager_step"] == 4  # from its checkpoint, before healing
+    assert restarted_run["events"]["heal"] == 1 and restarted_run["events"]["quorum"] == steps - 5
+    assert restarted_run["allreduces"] == steps - 5
 
-    failed = runs[(1, 0)]["failed_step"]
-    assert failed is not None and "before" in failed, failed
+    failed = json.loads((tmp_path / "failed_step_g1.json").read_text())
     before, after = failed["before"], failed["after"]
-    assert before["global_step"] == after["global_step"] == 2
+    assert before["global_step"] == after["global_step"] == 1
     for key in ("lr", "scheduler_epoch", "optimizer", "weights", "batches_stepped"):
         assert before[key] == after[key], key
+
+    def progress(group: int) -> list[dict]:
+        return [json.loads(line) for line in (tmp_path / f"progress_g{group}_r0.jsonl").read_text().splitlines()]
+
+    restarted_steps = [p for p in progress(1) if p["pid"] == progress(1)[-1]["pid"]]
+    position = [(p["global_step"], p["epoch"], p["batch_idx"]) for p in restarted_steps]
+    # healed at the survivor's step 6 (epoch 1, batches 4-7), then in step with it
+    assert position[0] == (6, 1, 7), position
+    assert position == [(p["global_step"], p["epoch"], p["batch_idx"]) for p in progress(0)][-len(position):]
+    for p in restarted_steps[1:]:  # after the healing step it reads its shard's batches of that epoch
+        assert p["batch_sum"] == pytest.approx(expected_batch_sum(1, p["epoch"], p["batch_idx"]), abs=1e-4), p
+    for group in (0, 1):  # checkpoints per group, no collisions; they carry the Manager's step
+        saved = torch.load(tmp_path / "ckpts" / f"replica_group_{group}" / "last.ckpt", weights_only=False)
+        assert saved["ft_manager"]["step"] == saved["global_step"] == steps
 
 
 @pytest.mark.timeout(150)
@@ -292,38 +309,19 @@ def test_two_groups_two_devices_identical_weights(processes, lighthouse, tmp_pat
         assert run["samplers"] == {"train": [4, group * 2 + rank], "val": [2, rank]}
 
 
-@pytest.mark.timeout(170)
-def test_killed_group_resumes_from_checkpoint_and_heals(processes, lighthouse, tmp_path):
-    """Group 1 is SIGKILLed mid-epoch after step 5 and restarted: it resumes from its own last
-    checkpoint (step 4, the Manager's step restored too), heals to the survivor's step, continues
-    at the same epoch and batch, and both end identical with global_step == committed steps."""
-    args = ("--epochs", "2", "--samples", "64", "--sleep", "0.02", "--checkpoint")
-    survivor = start_group(processes, lighthouse, tmp_path, 0, *args)
-    victim = start_group(processes, lighthouse, tmp_path, 1, *args, "--kill-at-step", "5")
-    assert victim.wait(timeout=120) == -9, logs(tmp_path)
-    restarted = start_group(processes, lighthouse, tmp_path, 1, *args)
-    wait_all([survivor, restarted], tmp_path, timeout=140)
-
-    runs = summaries(tmp_path)
+@pytest.mark.cuda
+@pytest.mark.timeout(200)
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two CUDA devices (one per replica group; NCCL allows one rank per device)")
+def test_two_groups_on_cuda_with_nccl_identical_weights(processes, lighthouse, tmp_path):
+    """The CUDA path: each group on its own GPU, NCCL inside and across groups (FT_BACKEND=auto)."""
+    procs = []
+    for group in (0, 1):
+        proc = start_group(processes, lighthouse, tmp_path, group, "--accelerator", "gpu", "--epochs", "1",
+                           "--samples", "64", cuda_device=str(group))
+        procs.append(proc)
+    wait_all(procs, tmp_path, timeout=180)
     assert_identical_weights(tmp_path, 2)
-    steps = 2 * (64 // 2 // 4)
-    for run in runs.values():
-        assert run["global_step"] == run["manager_step"] == steps and run["epoch"] == 2, run
-    assert runs[(1, 0)]["resumed_manager_step"] == 4  # from its checkpoint, before healing
-    assert runs[(1, 0)]["events"]["heal"] == 1
+    for run in summaries(tmp_path).values():
+        assert run["global_step"] == run["manager_step"] == 64 // 2 // 4
 
-    progress = [json.loads(line) for line in (tmp_path / "progress_g1_r0.jsonl").read_text().splitlines()]
-    restarted_pid = progress[-1]["pid"]
-    after_restart = [p for p in progress if p["pid"] == restarted_pid]
-    # first step of the restarted process: healed to step 6 at epoch 0, batch 5, like the survivor
-    assert (after_restart[0]["global_step"], after_restart[0]["epoch"], after_restart[0]["batch_idx"]) == (6, 0, 5)
-    survivor_progress = [json.loads(line) for line in (tmp_path / "progress_g0_r0.jsonl").read_text().splitlines()]
-    assert [(p["global_step"], p["epoch"], p["batch_idx"]) for p in survivor_progress][-len(after_restart):] == \
-        [(p["global_step"], p["epoch"], p["batch_idx"]) for p in after_restart]
-    # and from the next batch on it reads exactly its shard's batches for that epoch and index
-    for p in after_restart[1:]:
-        assert p["batch_sum"] == pytest.approx(expected_batch_sum(1, p["epoch"], p["batch_idx"]), abs=1e-4), p
-    for group in (0, 1):  # checkpoints per group, no collisions
-        assert (tmp_path / "ckpts" / f"replica_group_{group}" / "last.ckpt").exists()
-        saved = torch.load(tmp_path / "ckpts" / f"replica_group_{group}" / "last.ckpt", weights_only=False)
-        assert saved["ft_manager"]["step"] == saved["global_step"]

@@ -52,10 +52,13 @@ def group_state(launch_state: GroupState, series: GroupSeries, incarnation: int,
 
 
 def stop_margin(steps: Sequence[tuple[int, float]], now: float, window_s: float = 5.0) -> int:
-    """How many steps ahead to put the common stop step: ~3 s of progress, at least 5 steps."""
+    """How many steps ahead to put the common stop step: ~2 s of progress, at least 5 steps.
+
+    Every group reads the stop file each step, so it only has to be ahead of the fastest one.
+    """
     recent = [s for s, t in steps if t >= now - window_s]
     rate = (len(recent) / window_s) if recent else 0.0
-    return max(5, math.ceil(rate * 3.0))
+    return max(5, math.ceil(rate * 2.0))
 
 
 class JsonlTail:

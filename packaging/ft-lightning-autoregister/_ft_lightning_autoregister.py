@@ -9,6 +9,6 @@ Never raises: a broken or removed ft-lightning must not break every Python start
 def install() -> None:
     try:
         from ft_lightning._registration import install as install_hook
-    except Exception:  # ft-lightning missing or broken: leave start-up alone
+    except Exception:  # noqa: BLE001 - ft-lightning missing or broken: leave start-up alone
         return
     install_hook()
