@@ -30,24 +30,40 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 
 
 def machine() -> dict:
+    import importlib.metadata
+
     import torch
 
-    return {"date": datetime.date.today().isoformat(), "python": platform.python_version(),
-            "torch": torch.__version__, "cpus": os.cpu_count(), "platform": platform.platform(),
+    try:
+        torchft = importlib.metadata.version("torchft")
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            torchft = importlib.metadata.version("torchft-nightly")
+        except importlib.metadata.PackageNotFoundError:
+            torchft = None
+    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "python": platform.python_version(), "torch": torch.__version__, "torchft": torchft,
+            "cpus": os.cpu_count(), "platform": platform.platform(),
             "processor": platform.processor() or platform.machine()}
 
 
-def _call(name: str, quick: bool) -> dict:
+def _call(name: str, quick: bool, smoke: bool = False) -> dict:
     module = importlib.import_module(BENCHMARKS[name][0])
+    if smoke:  # tiny settings: checks the plumbing end to end, the numbers mean nothing
+        return {"overhead": lambda: module.run(quick=True, models=("mlp3.7m",), smoke=True),
+                "quorum_latency": lambda: module.run(groups=(2, 4), rounds=5, warmup=2),
+                "failure": lambda: module.run(quick=True),
+                "transfer": lambda: module.run(quick=True, sizes=[10 << 20], reps=1),
+                "capacity": lambda: module.run(quick=True, groups=(4, 8))}[name]()
     if name == "quorum_latency":
         return module.run(groups=(2, 8, 64) if quick else (2, 8, 32, 64), rounds=30 if quick else 100)
     return module.run(quick=quick)
 
 
-def run_one(name: str, quick: bool) -> dict:
+def run_one(name: str, quick: bool, smoke: bool = False) -> dict:
     start = time.monotonic()
     try:
-        result = _call(name, quick)
+        result = _call(name, quick, smoke)
         return {"ok": True, "seconds": round(time.monotonic() - start, 1), "result": result}
     except Exception as exc:  # a failed benchmark is reported, the others still run
         return {"ok": False, "seconds": round(time.monotonic() - start, 1),
@@ -61,21 +77,29 @@ def main(argv: list[str] | None = None) -> int:
     run_p.add_argument("--quick", action="store_true", help="fewer rounds and sizes (< 10 minutes on 2 cores)")
     run_p.add_argument("--only", action="append", choices=sorted(BENCHMARKS), help="run just these (repeatable)")
     run_p.add_argument("--no-readme", action="store_true", help="do not rewrite benchmarks/README.md")
+    run_p.add_argument("--smoke", action="store_true",
+                       help="tiny settings to check the plumbing (implies --quick and --no-readme; numbers mean nothing)")
+    run_p.add_argument("--out", default=RESULTS_DIR, help="results directory (default benchmarks/results)")
     opts = parser.parse_args(argv)
+    if opts.smoke:
+        opts.quick = opts.no_readme = True
     names = opts.only or list(BENCHMARKS)
-    os.makedirs(RESULTS_DIR, exist_ok=True)
-    results = {"machine": machine(), "quick": opts.quick, "benchmarks": {}}
+    out_dir = opts.out
+    os.makedirs(out_dir, exist_ok=True)
+    results = {"machine": machine(), "quick": opts.quick, "smoke": opts.smoke, "benchmarks": {}}
+    started = time.monotonic()
     for name in names:
         print(f"[benchmarks] {name}: {BENCHMARKS[name][1]} ...", flush=True)
-        results["benchmarks"][name] = outcome = run_one(name, opts.quick)
-        status = "ok" if outcome["ok"] else f"FAILED: {outcome['error']}"
+        results["benchmarks"][name] = outcome = run_one(name, opts.quick, opts.smoke)
+        status = "ok" if outcome["ok"] else f"FAILED: {outcome['error']}\n{outcome['traceback']}"
         print(f"[benchmarks] {name}: {status} ({outcome['seconds']} s)", flush=True)
-    with open(os.path.join(RESULTS_DIR, "results.json"), "w") as fh:
+    results["seconds"] = round(time.monotonic() - started, 1)
+    with open(os.path.join(out_dir, "results.json"), "w") as fh:
         json.dump(results, fh, indent=2)
     markdown = report.markdown(results)
-    with open(os.path.join(RESULTS_DIR, "results.md"), "w") as fh:
+    with open(os.path.join(out_dir, "results.md"), "w") as fh:
         fh.write(markdown)
-    report.plots(results, RESULTS_DIR)
+    report.plots(results, out_dir)
     if not opts.no_readme:
         report.update_readme(markdown, os.path.join(os.path.dirname(RESULTS_DIR), "README.md"))
     print(markdown)

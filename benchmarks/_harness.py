@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("RUST_LOG", "error")  # torchft's Rust servers log every quorum at info otherwise
 
 
 def torchft_available() -> bool:

@@ -1,7 +1,12 @@
 """One training process of the healthy-path overhead benchmark.
 
-Modes: `ddp` (plain torch DDP over Gloo, the baseline), `ft` (ft_core Manager + DDP + OptimizerWrapper,
-one process per replica group), `torchft` (Meta's torchft, same shape, when installed).
+Modes (each job is 2 processes; the ft/torchft modes are 2 replica groups x 1 process):
+- `ddp`: plain torch DDP over Gloo (the baseline); `ft`: ft_core Manager + DDP + OptimizerWrapper;
+  `torchft`: Meta's torchft Manager + DDP + Optimizer (when installed);
+- `lightning_ddp`: plain Lightning `strategy="ddp"` (gloo, CPU); `lightning_ft`: our
+  `FaultTolerantDDPStrategy`; step time = callback's on_train_batch_start -> on_train_batch_end;
+- `accelerate_ddp`: plain Accelerate DDP (multi-CPU, gloo); `accelerate_ft`: our
+  `FaultTolerantAccelerator`; step time = the training loop's iteration.
 Writes {"mode", "rank", "step_times_s"} as JSON to --out.
 """
 
@@ -89,7 +94,123 @@ def run_torchft(args) -> list[float]:
         manager.shutdown()
 
 
-MODES = {"ddp": run_ddp, "ft": run_ft, "torchft": run_torchft}
+def _dataset(args):
+    """Every rank's (warmup + steps) batches, as one TensorDataset sharded by the sampler."""
+    from torch.utils.data import TensorDataset
+
+    xs, ys = zip(*(_models.batch(args.model, args.batch_size, step)
+                   for step in range((args.warmup + args.steps) * args.world_size)))
+    return TensorDataset(torch.cat(xs), torch.cat(ys))
+
+
+def _torchrun_env(args) -> None:
+    """The variables torchrun / Lightning's launcher would set for rank `args.rank` of 2."""
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(args.master_port), "RANK": str(args.rank),
+                       "LOCAL_RANK": str(args.rank), "WORLD_SIZE": str(args.world_size), "NODE_RANK": "0",
+                       "LOCAL_WORLD_SIZE": str(args.world_size)})
+
+
+def _run_lightning(args, ft: bool) -> list[float]:
+    import logging
+
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    times: list[float] = []
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _models.build(args.model)
+
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+        def train_dataloader(self):  # type: ignore[no-untyped-def]
+            return DataLoader(_dataset(args), batch_size=args.batch_size, shuffle=False)
+
+    class StepTimer(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
+            self.started = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
+            if batch_idx >= args.warmup:
+                times.append(time.perf_counter() - self.started)
+
+    if ft:
+        from ft_lightning import FaultTolerantDDPStrategy
+
+        strategy = FaultTolerantDDPStrategy(lighthouse_addr=args.lighthouse, replica_group_id=args.rank,
+                                            num_replica_groups=args.world_size, min_replica_size=args.world_size,
+                                            timeout=30.0, process_group_backend="gloo")
+        devices = 1
+    else:
+        from lightning.pytorch.strategies import DDPStrategy
+
+        _torchrun_env(args)
+        strategy = DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=60))
+        devices = args.world_size
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=1,
+                         max_steps=args.warmup + args.steps, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                         default_root_dir=args.workdir, callbacks=[StepTimer()])
+    trainer.fit(Module())
+    if trainer.world_size != devices or len(times) != args.steps:
+        raise RuntimeError(f"Lightning ran {len(times)} timed steps on {trainer.world_size} process(es), expected "
+                           f"{args.steps} on {devices}")
+    if ft:
+        trainer.strategy.manager.shutdown()
+    return times
+
+
+def _run_accelerate(args, ft: bool) -> list[float]:
+    if ft:
+        from ft_lightning.accelerate import FaultTolerancePlugin, FaultTolerantAccelerator
+
+        plugin = FaultTolerancePlugin(lighthouse=args.lighthouse, replica_id=args.rank,
+                                      num_replica_groups=args.world_size, min_replica_size=args.world_size,
+                                      timeout=30.0, backend="gloo")
+        accelerator = FaultTolerantAccelerator(ft=plugin, cpu=True)
+    else:
+        from accelerate import Accelerator
+
+        _torchrun_env(args)
+        accelerator = Accelerator(cpu=True)
+    if accelerator.num_processes != (1 if ft else args.world_size):
+        raise RuntimeError(f"Accelerate started {accelerator.num_processes} process(es) per job, expected DDP of 2")
+    model = _models.build(args.model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if not ft and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise RuntimeError(f"plain Accelerate did not wrap the model in DDP ({type(model).__name__})")
+    times = []
+    try:
+        for step in range(args.warmup + args.steps):
+            x, y = _models.batch(args.model, args.batch_size, step)
+            start = time.perf_counter()
+            with accelerator.accumulate(model):
+                loss = F.cross_entropy(model(x), y)
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            if step >= args.warmup:
+                times.append(time.perf_counter() - start)
+    finally:
+        accelerator.end_training()
+    return times
+
+
+MODES = {"ddp": run_ddp, "ft": run_ft, "torchft": run_torchft,
+         "lightning_ddp": lambda args: _run_lightning(args, ft=False),
+         "lightning_ft": lambda args: _run_lightning(args, ft=True),
+         "accelerate_ddp": lambda args: _run_accelerate(args, ft=False),
+         "accelerate_ft": lambda args: _run_accelerate(args, ft=True)}
 
 
 def main() -> None:
@@ -104,6 +225,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--workdir", default=None, help="Lightning's default_root_dir")
     args = parser.parse_args()
     torch.set_num_threads(1)
     times = MODES[args.mode](args)

@@ -24,6 +24,8 @@ import tempfile
 import time
 from typing import Any
 
+from benchmarks import _harness
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))
 
@@ -101,6 +103,92 @@ def _gap_after(commits: list[dict[str, Any]], since: float) -> float:
     return max((b - a for a, b in zip(seq, seq[1:])), default=0.0)
 
 
+def _torchft_restart(workdir: str, repeats: int) -> dict[str, Any]:
+    """The same failure with Meta's torchft (benchmarks/_torchft_train.py), its defaults as they are:
+    its lighthouse drops a dead member only after its heartbeat timeout (5 s)."""
+    import subprocess
+
+    from conftest import Processes, child_env
+    from ft_harness import read_jsonl, wait_until
+
+    from torchft._torchft import LighthouseServer as TorchftLighthouse
+
+    os.environ.setdefault("RUST_LOG", "error")
+    script = os.path.join(REPO_ROOT, "benchmarks", "_torchft_train.py")
+    procs = Processes()
+    lighthouse = TorchftLighthouse(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=2000)
+    address = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"  # it reports a host name
+    stop_file = os.path.join(workdir, "torchft.stop")
+
+    class TorchftGroup:
+        def __init__(self, gid: int) -> None:
+            self.gid, self.incarnation, self.proc, self.spawned_at = gid, 0, None, 0.0
+            self.kill_file = os.path.join(workdir, f"torchft.g{gid}.kill")
+
+        def log(self, incarnation: int | None = None) -> str:
+            return os.path.join(workdir, f"torchft.g{self.gid}.i{incarnation or self.incarnation}.jsonl")
+
+        def start(self) -> None:
+            self.incarnation += 1
+            if os.path.exists(self.kill_file):
+                os.remove(self.kill_file)
+            out = open(os.path.join(workdir, f"torchft.g{self.gid}.i{self.incarnation}.out"), "w")
+            self.spawned_at = time.time()
+            self.proc = procs.spawn([sys.executable, script, "--lighthouse", address, "--replica-id",
+                                     f"torchft_{self.gid}", "--step-log", self.log(), "--kill-file", self.kill_file,
+                                     "--stop-file", stop_file], env=child_env(RUST_LOG="error"), stdout=out,
+                                    stderr=subprocess.STDOUT)
+
+        def rows(self, incarnation: int | None = None) -> list[dict[str, Any]]:
+            return read_jsonl(self.log(incarnation))
+
+        def commits(self) -> list[dict[str, Any]]:
+            return [r for i in range(1, self.incarnation + 1) for r in self.rows(i) if r.get("event") == "commit"]
+
+        def output(self) -> str:
+            with open(os.path.join(workdir, f"torchft.g{self.gid}.i{self.incarnation}.out")) as fh:
+                return fh.read()
+
+    samples: list[dict[str, float]] = []
+    try:
+        groups = [TorchftGroup(g) for g in range(3)]
+        for g in groups:
+            g.start()
+        wait_until(lambda: all(len(g.commits()) >= 5 for g in groups), 180, "torchft groups committing", groups)
+        victim, survivors = groups[2], groups[:2]
+        for _ in range(repeats):
+            with open(victim.kill_file, "w") as fh:
+                fh.write("forward")
+            victim.proc.wait(60)
+            killed_at = time.time()
+            victim.start()
+            wait_until(lambda: len([r for r in victim.rows() if r.get("event") == "commit"]) >= 3, 180,
+                       "restarted torchft group commits", groups)
+            rows = victim.rows()
+            ready = next(r for r in rows if r["event"] == "ready")
+            first_commit = next(r for r in rows if r["event"] == "commit")
+            heal = next((r for r in rows if r["event"] == "heal"), {})
+            total = first_commit["time"] - victim.spawned_at
+            start_imports = ready["time"] - victim.spawned_at
+            quorum_s = heal.get("quorum_time", ready["time"]) - ready["time"]
+            transfer, load = float(heal.get("transfer_s", 0.0)), float(heal.get("load_s", 0.0))
+            samples.append({"killed_at": killed_at, "total_s": total, "python_start_s": ready["started"] - victim.spawned_at,
+                            "start_imports_s": start_imports, "quorum_s": quorum_s, "transfer_s": transfer,
+                            "load_s": load, "rest_of_step_s": max(total - start_imports - quorum_s - transfer - load, 0.0),
+                            "survivor_gap_s": max(_gap_after(g.commits(), killed_at) for g in survivors),
+                            "healed": bool(heal)})
+        target = max(r["step"] for g in groups for r in g.commits()) + 3
+        with open(stop_file + ".tmp", "w") as fh:
+            fh.write(str(target))
+        os.replace(stop_file + ".tmp", stop_file)
+        for g in groups:
+            g.proc.wait(60)
+    finally:
+        procs.end_all()
+        lighthouse.shutdown()
+    return {"samples": samples}
+
+
 def _vote_cost(quick: bool) -> dict[str, Any]:
     """should_commit wall time with one rank per group (in-process fast path), 2 groups in threads."""
     import threading
@@ -141,9 +229,10 @@ def _vote_cost(quick: bool) -> dict[str, Any]:
             "steps": steps}
 
 
-def run(quick: bool = False) -> dict[str, Any]:
-    """Run every part; returns the numbers (also printed as a table by main)."""
-    out: dict[str, Any] = {"throughput": _throughput(quick)}
+def run(quick: bool = False, throughput: bool = False, torchft: bool = True) -> dict[str, Any]:
+    """Run every part; returns the numbers (also printed as a table by main). The transfer throughput
+    is its own benchmark in the runner (`transfer`); `throughput=True` includes it here."""
+    out: dict[str, Any] = {"throughput": _throughput(quick) if throughput else {"skipped": "run benchmarks.transport_throughput"}}
     with tempfile.TemporaryDirectory(prefix="ft-heal-") as workdir:
         restart = _restart_once(workdir, 1 if quick else 3)
     samples = restart["samples"]
@@ -154,17 +243,31 @@ def run(quick: bool = False) -> dict[str, Any]:
     out["restart"]["survivor_gap_whole_run_s"] = restart["survivor_gap_s"]
     out["restart"]["repeats"] = len(samples)
     out["vote"] = _vote_cost(quick)
+    out["targets"] = {"total_s": 2.5, "survivor_gap_s": 0.5}
+    out["reference"] = {"total_s": 5.1, "survivor_gap_s": 5.2}
+    if torchft and _harness.torchft_available():
+        with tempfile.TemporaryDirectory(prefix="ft-heal-torchft-") as workdir:
+            ref = _torchft_restart(workdir, 1 if quick else 3)["samples"]
+        out["torchft"] = {k: statistics.median(s[k] for s in ref) for k in keys}
+        out["torchft"]["repeats"] = len(ref)
+        out["torchft"]["healed"] = all(s["healed"] for s in ref)
+        out["ratio_to_torchft"] = {k: out["restart"][k] / out["torchft"][k] for k in ("total_s", "survivor_gap_s")
+                                   if out["torchft"][k] > 0}
+    else:
+        out["torchft"] = {"skipped": "torchft is not installed (pip install torchft-nightly)"}
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repeats and sizes")
+    parser.add_argument("--throughput", action="store_true", help="also measure transfer throughput")
+    parser.add_argument("--no-baseline", action="store_true", help="skip torchft even when installed")
     args = parser.parse_args(argv)
     from rich.console import Console
     from rich.table import Table
 
-    result = run(args.quick)
+    result = run(args.quick, args.throughput, not args.no_baseline)
     console = Console()
     tp = result["throughput"]
     if isinstance(tp, dict) and "skipped" in tp:
@@ -188,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, value, target in rows:
         table.add_row(name, f"{value:.3f}", target)
     console.print(table)
+    if "total_s" in result["torchft"]:
+        t = result["torchft"]
+        console.print(f"torchft (same harness, median of {t['repeats']}): restart to first commit {t['total_s']:.3f} s "
+                      f"(start+imports {t['start_imports_s']:.3f}, quorum {t['quorum_s']:.3f}, transfer "
+                      f"{t['transfer_s']:.3f}, load {t['load_s']:.3f}); survivors' gap {t['survivor_gap_s']:.3f} s")
     v = result["vote"]
     console.print(f"commit vote (should_commit, 1 rank per group): p50 {v['p50_ms']:.3f} ms, p99 {v['p99_ms']:.3f} ms "
                   f"over {v['steps']} steps (reference: ~13 ms)")

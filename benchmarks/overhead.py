@@ -1,6 +1,10 @@
-"""Healthy-path overhead: step time of 2 replica groups x 1 process through ft_core (and torchft where
-installed) against plain torch DDP with 2 processes on Gloo. Modes alternate within one run; medians and
-ratios are reported. `python -m benchmarks.overhead [--quick] [--model mlp3.7m]`."""
+"""Healthy-path overhead: step time of 2 replica groups x 1 process through ft_core's core API, our
+Lightning strategy and our Accelerate plugin (and torchft where installed), each against its plain
+baseline with 2 processes on Gloo (torch DDP, Lightning `strategy="ddp"`, Accelerate multi-CPU DDP).
+Modes alternate within one run; medians and ratios are reported.
+
+    python -m benchmarks.overhead [--quick] [--model mlp3.7m] [--mode ddp --mode ft ...]
+"""
 
 from __future__ import annotations
 
@@ -8,9 +12,17 @@ import argparse
 import json
 import os
 import tempfile
-from datetime import timedelta
 
-from benchmarks import _harness
+from benchmarks import _harness, _models
+
+
+# ours (or torchft's) mode -> the plain baseline it is compared with
+BASELINE = {"ft": "ddp", "torchft": "ddp", "lightning_ft": "lightning_ddp", "accelerate_ft": "accelerate_ddp"}
+LABELS = {"ddp": "torch DDP", "ft": "ours, core API", "torchft": "torchft", "lightning_ddp": "Lightning DDP",
+          "lightning_ft": "ours, Lightning", "accelerate_ddp": "Accelerate DDP", "accelerate_ft": "ours, Accelerate"}
+ALL_MODES = ("ddp", "ft", "torchft", "lightning_ddp", "lightning_ft", "accelerate_ddp", "accelerate_ft")
+TARGET_RATIO = 1.03
+REFERENCE = "torchft 1.45x plain DDP (107.8 vs 74.1 ms, 3.68M-param MLP, batch 32), as measured for the issue"
 
 
 def _run_mode(mode: str, model: str, steps: int, warmup: int, tmp: str) -> float:
@@ -20,10 +32,10 @@ def _run_mode(mode: str, model: str, steps: int, warmup: int, tmp: str) -> float
               "--warmup", str(warmup)]
     lighthouse = None
     try:
-        if mode == "ddp":
+        if mode in ("ddp", "lightning_ddp", "accelerate_ddp"):
             port = _harness.free_port()
             extra = [["--master-port", str(port)]] * 2
-        elif mode == "ft":
+        elif mode in ("ft", "lightning_ft", "accelerate_ft"):
             from ft_core.lighthouse import LighthouseServer
 
             lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=10_000)
@@ -35,8 +47,9 @@ def _run_mode(mode: str, model: str, steps: int, warmup: int, tmp: str) -> float
             # torchft reports its address by host name; name lookups can stall here, so use the IP.
             port = lighthouse.address().rsplit(":", 1)[1]
             extra = [["--lighthouse", f"http://127.0.0.1:{port}"]] * 2
-        _harness.run_workers([[*common, "--rank", str(r), "--out", outs[r], *extra[r]] for r in range(2)],
-                             timeout_s=600)
+        workdir = os.path.join(tmp, f"{mode}_root")
+        _harness.run_workers([[*common, "--rank", str(r), "--out", outs[r], "--workdir", workdir, *extra[r]]
+                              for r in range(2)], timeout_s=300)
     finally:
         if lighthouse is not None:
             lighthouse.shutdown()
@@ -47,22 +60,33 @@ def _run_mode(mode: str, model: str, steps: int, warmup: int, tmp: str) -> float
     return _harness.median(times)
 
 
-def run(quick: bool = False, models: tuple[str, ...] | None = None) -> dict:
-    """Alternate baseline and ours (and torchft) `rounds` times per model; report medians and ratios."""
-    models = models or (("mlp3.7m",) if quick else ("mlp3.7m", "mlp25m"))
-    rounds, steps, warmup = (2, 20, 5) if quick else (3, 50, 10)
-    modes = ["ddp", "ft"] + (["torchft"] if _harness.torchft_available() else [])
-    results: dict = {"torchft_installed": _harness.torchft_available(), "models": {}}
+def run(quick: bool = False, models: tuple[str, ...] | None = None, modes: tuple[str, ...] | None = None,
+        smoke: bool = False) -> dict:
+    """Alternate every mode `rounds` times per model; report median step times and ratios to the baselines."""
+    models = models or ("mlp3.7m", "mlp25m")
+    # (rounds, measured steps, warm-up steps) per model; a job's start-up (imports, rendezvous) dominates --quick
+    plan = {"mlp3.7m": (2, 15, 4), "mlp25m": (1, 6, 2)} if quick else {"mlp3.7m": (3, 50, 10), "mlp25m": (3, 20, 5)}
+    if smoke:
+        plan = {"mlp3.7m": (1, 3, 1), "mlp25m": (1, 2, 1)}
+    torchft = _harness.torchft_available()
+    modes = tuple(m for m in (modes or ALL_MODES) if m != "torchft" or torchft)
+    for mode in modes:
+        if mode in BASELINE and BASELINE[mode] not in modes:
+            raise ValueError(f"mode {mode} needs its baseline {BASELINE[mode]} in the same run")
+    results: dict = {"torchft_installed": torchft, "modes": list(modes), "labels": LABELS, "baseline": BASELINE,
+                     "target_ratio": TARGET_RATIO, "reference": REFERENCE, "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for model in models:
+            rounds, steps, warmup = plan.get(model, plan["mlp3.7m"])
             per_mode: dict[str, list[float]] = {m: [] for m in modes}
-            for _ in range(rounds):
+            for _ in range(rounds):  # alternate, so drift in machine load hits every mode alike
                 for mode in modes:
                     per_mode[mode].append(_run_mode(mode, model, steps, warmup, tmp))
             med = {m: _harness.median(v) for m, v in per_mode.items()}
-            entry = {"step_ms": {m: round(v * 1000, 2) for m, v in med.items()},
-                     "ratio_vs_ddp": {m: round(v / med["ddp"], 3) for m, v in med.items() if m != "ddp"}}
-            if "torchft" in med:
+            entry = {"params": _models.param_count(_models.build(model)), "rounds": rounds, "steps": steps,
+                     "step_ms": {m: round(v * 1000, 2) for m, v in med.items()},
+                     "ratio_vs_baseline": {m: round(med[m] / med[BASELINE[m]], 3) for m in med if m in BASELINE}}
+            if "torchft" in med and "ft" in med:
                 entry["ours_vs_torchft"] = round(med["ft"] / med["torchft"], 3)
             results["models"][model] = entry
     return results
@@ -72,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--model", action="append", help="mlp3.7m or mlp25m (repeatable)")
+    parser.add_argument("--mode", action="append", choices=ALL_MODES, help="modes to run (repeatable; default all)")
     opts = parser.parse_args(argv)
-    res = run(opts.quick, tuple(opts.model) if opts.model else None)
+    res = run(opts.quick, tuple(opts.model) if opts.model else None, tuple(opts.mode) if opts.mode else None)
     print(json.dumps(res, indent=2))
     return 0
 

@@ -1,82 +1,364 @@
-"""Render benchmark results: a markdown report, PNG plots, and the README's results section."""
+"""Render benchmark results: a markdown report (targets table first, then one table per benchmark),
+PNG plots, and the README's results section."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import Any
 
 README_BEGIN = "<!-- results:begin -->"
 README_END = "<!-- results:end -->"
+NA = "–"
+
+# The issue's reference: torchft as measured by the issue's author on this kind of machine.
+REFERENCE = {"overhead": "1.45x (107.8 vs 74.1 ms)", "p50_2": "2.4 ms", "p99_2": "4.7 ms", "gap": "5.2 s",
+             "restart": "5.1 s", "heal": "0.8-2.1 GB/s", "p99_64": "99 ms"}
+PHASES = [("start_imports_s", "start + imports"), ("quorum_s", "quorum"), ("transfer_s", "transfer"),
+          ("load_s", "load"), ("rest_of_step_s", "rest of the first step")]
 
 
-def _flatten(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    if isinstance(value, dict):
-        rows: list[tuple[str, Any]] = []
-        for key, sub in value.items():
-            rows += _flatten(sub, f"{prefix}.{key}" if prefix else str(key))
-        return rows
-    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+def _get(mapping: Any, key: Any) -> Any:
+    """mapping[key], also when JSON turned an int key into a string."""
+    if not isinstance(mapping, dict):
+        return None
+    if key in mapping:
+        return mapping[key]
+    return mapping.get(str(key))
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not math.isnan(float(value)) else None
+
+
+def _fmt(value: Any, unit: str = "", digits: int = 3) -> str:
+    v = _num(value)
+    if v is None:
+        return NA
+    text = f"{v:.{digits}g}" if abs(v) < 1000 else f"{v:.0f}"
+    return f"{text}{unit}"
+
+
+def _ratio(a: Any, b: Any) -> str:
+    x, y = _num(a), _num(b)
+    return f"{x / y:.2f}x" if x is not None and y not in (None, 0.0) else NA
+
+
+def _mark(value: Any, target: float, higher_is_better: bool = False) -> str:
+    v = _num(value)
+    if v is None:
+        return ""
+    return " ✓" if (v >= target if higher_is_better else v <= target) else " ✗"
+
+
+def _ok(results: dict, name: str) -> dict | None:
+    outcome = results["benchmarks"].get(name)
+    return outcome["result"] if outcome and outcome.get("ok") else None
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines + [""]
+
+
+# ---------------------------------------------------------------- the targets table
+
+
+def _largest_size(transfer: dict) -> tuple[str, dict] | tuple[None, None]:
+    sizes = transfer.get("sizes") or {}
+    if not sizes:
+        return None, None
+    label = max(sizes, key=lambda k: sizes[k].get("bytes", 0))
+    return label, sizes[label]
+
+
+def targets_rows(results: dict) -> list[list[str]]:
+    rows: list[list[str]] = []
+    overhead = _ok(results, "overhead")
+    if overhead:
+        for model, entry in overhead["models"].items():
+            ms, ratio = entry["step_ms"], entry.get("ratio_vs_baseline", {})
+            for mode, name in (("ft", "core API"), ("lightning_ft", "Lightning"), ("accelerate_ft", "Accelerate")):
+                if mode not in ms:
+                    continue
+                base = overhead["baseline"][mode]
+                torchft = ""
+                if mode == "ft" and "torchft" in ms:
+                    torchft = f"{ratio['torchft']:.2f}x ({ms['torchft']:.1f} ms)"
+                rows.append([f"step time, {name}, {model} (2 groups x 1 process)", "<= 1.03x plain",
+                             f"{ratio[mode]:.2f}x ({ms[mode]:.1f} ms){_mark(ratio[mode], 1.03)}", torchft or NA,
+                             f"{overhead['labels'][base]} {ms[base]:.1f} ms",
+                             _ratio(ms[mode], ms["torchft"]) if torchft else NA,
+                             REFERENCE["overhead"] if mode == "ft" and model == "mlp3.7m" else NA])
+    quorum = _ok(results, "quorum_latency")
+    if quorum:
+        ours, ref = quorum.get("ft_core", {}).get("steady", {}), quorum.get("torchft", {}).get("steady", {})
+        for n, key, target, limit, ref_key in ((2, "p50_ms", "<= 1 ms", 1.0, "p50_2"),
+                                               (2, "p99_ms", "<= 3 ms", 3.0, "p99_2"),
+                                               (64, "p99_ms", "<= 30 ms", 30.0, "p99_64")):
+            a, b = (_get(_get(ours, n), key), _get(_get(ref, n), key))
+            if a is None and b is None:
+                continue
+            rows.append([f"steady quorum {key[:3]}, {n} groups", target, _fmt(a, " ms") + _mark(a, limit),
+                         _fmt(b, " ms"), NA, _ratio(a, b), REFERENCE[ref_key]])
+    failure = _ok(results, "failure")
+    if failure:
+        ours, ref = failure["restart"], failure.get("torchft", {})
+        for key, name, limit, ref_key in (("survivor_gap_s", "survivors' longest commit gap after SIGKILL", 0.5, "gap"),
+                                          ("total_s", "killed group: restart to first commit (3.7M params)", 2.5,
+                                           "restart")):
+            rows.append([name, f"<= {limit} s", _fmt(ours.get(key), " s") + _mark(ours.get(key), limit),
+                         _fmt(ref.get(key), " s"), NA, _ratio(ours.get(key), ref.get(key)), REFERENCE[ref_key]])
+    transfer = _ok(results, "transfer")
+    if transfer:
+        label, row = _largest_size(transfer)
+        if row:
+            note = "" if label == "1GB" else f" (largest measured: {label})"
+            rows.append([f"heal transfer, HTTP, fresh tensors, {label}{note}", ">= 3 GB/s for 1 GB",
+                         _fmt(row["http_fresh_gbps"], " GB/s") + _mark(row["http_fresh_gbps"], 3.0, True),
+                         _fmt(row.get("torchft_http_gbps"), " GB/s"), f"raw TCP {_fmt(row['raw_tcp_gbps'], ' GB/s')}",
+                         _ratio(row["http_fresh_gbps"], row.get("torchft_http_gbps")), REFERENCE["heal"]])
+    capacity = _ok(results, "capacity")
+    if capacity:
+        a = capacity.get("ft_core", {}).get("max_groups_under_limit")
+        b = capacity.get("torchft", {}).get("max_groups_under_limit")
+        rows.append([f"lighthouse capacity: groups at {capacity['hz']:g} Hz with p99 <= {capacity['limit_ms']:g} ms",
+                     "(more is better)", f"{a}" if a is not None else NA, f"{b}" if b is not None else NA, NA,
+                     _ratio(a, b), NA])
+    return rows
+
+
+# ---------------------------------------------------------------- per-benchmark sections
+
+
+def _overhead(res: dict) -> list[str]:
+    lines = [f"Median step time per process; each job is 2 processes (plain: one DDP world of 2; ours and "
+             f"torchft: 2 replica groups x 1 process), 1 torch thread each. Modes alternate within the run. "
+             f"Target <= {res['target_ratio']}x the plain baseline.", ""]
+    for model, entry in res["models"].items():
+        lines.append(f"**{model}** ({entry['params'] / 1e6:.2f}M parameters, batch 32, {entry['rounds']} round(s) of "
+                     f"{entry['steps']} timed steps per mode)")
+        lines.append("")
         rows = []
-        for i, sub in enumerate(value):
-            rows += _flatten(sub, f"{prefix}[{i}]")
-        return rows
-    return [(prefix, value)]
+        for mode, ms in entry["step_ms"].items():
+            base = res["baseline"].get(mode)
+            rows.append([res["labels"][mode], f"{ms:.2f}", res["labels"][base] if base else "(baseline)",
+                         f"{entry['ratio_vs_baseline'][mode]:.3f}x" if base else NA])
+        lines += _table(["mode", "median step (ms)", "compared with", "ratio"], rows)
+        if "ours_vs_torchft" in entry:
+            lines += [f"Core API vs torchft: {entry['ours_vs_torchft']:.3f}x.", ""]
+    return lines
 
 
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if isinstance(value, list):
-        return ", ".join(_fmt(v) for v in value)
-    return str(value)
+def _quorum(res: dict) -> list[str]:
+    lines = [f"One `ManagerClient.quorum` round trip per group per round ({res['rounds']} rounds); the lighthouse "
+             "in its own process, groups spread over worker processes. Membership: one group leaves or joins "
+             "every round (ours only: torchft drops a dead group only after its 5 s heartbeat timeout).", ""]
+    rows = []
+    for n in res["groups"]:
+        cells = [str(n)]
+        for impl, mode in (("ft_core", "steady"), ("torchft", "steady"), ("ft_core", "membership")):
+            stats = _get(res.get(impl, {}).get(mode, {}), n)
+            cells += [_fmt(_get(stats, "p50_ms")), _fmt(_get(stats, "p99_ms"))]
+        rows.append(cells)
+    return lines + _table(["groups", "ours p50 (ms)", "ours p99", "torchft p50", "torchft p99",
+                           "ours, membership change p50", "p99"], rows)
+
+
+def _failure(res: dict) -> list[str]:
+    ours, ref = res["restart"], res.get("torchft", {})
+    lines = ["Three replica groups (one process each) train the 3.7M-parameter MLP (AdamW, batch 32); one is "
+             "SIGKILLed in its forward pass and restarted at once. Phases of the restarted process, from its spawn "
+             f"(median of {ours['repeats']}); torchft runs with its defaults through the same harness "
+             "(benchmarks/_torchft_train.py).", ""]
+    rows = [[name, _fmt(ours.get(key), " s"), _fmt(ref.get(key), " s")] for key, name in PHASES]
+    rows.append(["**restart to first commit**", _fmt(ours["total_s"], " s"), _fmt(ref.get("total_s"), " s")])
+    rows.append(["**survivors' longest commit gap**", _fmt(ours["survivor_gap_s"], " s"),
+                 _fmt(ref.get("survivor_gap_s"), " s")])
+    rows.append(["checkpoint received", _fmt(ours.get("nbytes", 0) / 1e6, " MB"), NA])
+    lines += _table(["phase", "ours", "torchft"], rows)
+    if "skipped" in ref:
+        lines += [f"torchft: {ref['skipped']}.", ""]
+    vote = res.get("vote")
+    if vote:
+        lines += [f"Commit vote (`should_commit`, 1 rank per group) in steady state: p50 {vote['p50_ms']:.3f} ms, "
+                  f"p99 {vote['p99_ms']:.3f} ms over {vote['steps']} steps.", ""]
+    return lines
+
+
+def _transfer(res: dict) -> list[str]:
+    torchft = "torchft_http" in res.get("kinds", [])
+    lines = [f"Checkpoint transfer on loopback, source in its own process; best of {res['reps']} (GB/s, median "
+             "in brackets). Fresh: the receiver allocates new tensors, as a restarted replica does; in place: into "
+             "existing tensors.", ""]
+    rows = []
+    for label, row in res["sizes"].items():
+        cells = [label]
+        for kind in ["raw_tcp", "http_fresh", "http_inplace", "pg"] + (["torchft_http"] if torchft else []):
+            cells.append(f"{_fmt(row[kind + '_gbps'])} ({_fmt(row[kind + '_median_gbps'])})")
+        if torchft:
+            cells.append(_ratio(row["http_fresh_gbps"], row["torchft_http_gbps"]))
+        rows.append(cells)
+    header = ["size", "raw TCP (ceiling)", "ours HTTP fresh", "ours HTTP in place", "ours PG (Gloo)"]
+    header += ["torchft HTTPTransport", "ours fresh / torchft"] if torchft else []
+    return lines + _table(header, rows)
+
+
+def _capacity(res: dict) -> list[str]:
+    lines = [f"Every group runs a quorum at {res['hz']:g} Hz; the count grows until p99 passes "
+             f"{res['limit_ms']:g} ms.", ""]
+    rows = []
+    for impl, name in (("ft_core", "ours"), ("torchft", "torchft")):
+        entry = res.get(impl)
+        if not entry:
+            continue
+        for n, stats in entry["series"].items():
+            rows.append([name, str(n), _fmt(stats["p50_ms"]), _fmt(stats["p99_ms"]),
+                         str(stats.get("rounds_over_period", NA))])
+        lines_note = entry.get("note") or ""
+        rows.append([f"**{name}: max groups under the limit**", f"**{entry['max_groups_under_limit']}**",
+                     "", "", lines_note])
+    return lines + _table(["impl", "groups", "p50 (ms)", "p99 (ms)", "rounds late / note"], rows)
+
+
+SECTIONS = {"overhead": ("Healthy-path overhead", _overhead), "quorum_latency": ("Quorum latency", _quorum),
+            "failure": ("Failure: survivors' gap and restart to first commit", _failure),
+            "transfer": ("Heal transfer throughput", _transfer), "capacity": ("Lighthouse capacity", _capacity)}
 
 
 def markdown(results: dict) -> str:
     m = results["machine"]
     lines = [f"Run on {m['date']}: {m['cpus']} CPUs ({m['processor']}), {m['platform']}, Python {m['python']}, "
-             f"torch {m['torch']}{' (quick run)' if results.get('quick') else ''}.", ""]
+             f"torch {m['torch']}, torchft {m.get('torchft') or 'not installed'}"
+             f"{'; quick run (`--quick`)' if results.get('quick') else '; full run'}.", ""]
+    rows = targets_rows(results)
+    if rows:
+        lines += ["### Targets", ""]
+        lines += _table(["measurement", "target", "ours", "torchft (this run)", "plain baseline",
+                         "ours / torchft", "torchft (issue's reference)"], rows)
+        lines += ["✓ / ✗: target met / not met in this run. Lower is better except for throughput and capacity.", ""]
     for name, outcome in results["benchmarks"].items():
-        lines.append(f"### {name}")
-        lines.append("")
+        title, render = SECTIONS.get(name, (name, None))
+        lines += [f"### {title}", ""]
         if not outcome["ok"]:
-            lines += [f"Failed: `{outcome['error']}`", ""]
+            lines += [f"Failed after {outcome['seconds']} s: `{outcome['error']}`", ""]
             continue
-        lines += ["| measurement | value |", "| --- | --- |"]
-        lines += [f"| {key} | {_fmt(val)} |" for key, val in _flatten(outcome["result"])]
-        lines.append("")
+        lines += render(outcome["result"]) if render else [f"`{outcome['result']}`", ""]
+        lines += [f"({outcome['seconds']} s)", ""]
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- plots
+
+
 def plots(results: dict, out_dir: str) -> list[str]:
-    """Bar chart of the overhead step times; more plots where results have a known shape."""
+    """overhead.png, quorum_latency.png, transfer.png, failure.png: each where its benchmark succeeded."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     written = []
-    overhead = results["benchmarks"].get("overhead")
-    if overhead and overhead["ok"]:
-        models = overhead["result"]["models"]
-        fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
-        for ax, (model, entry) in zip(axes[0], models.items()):
-            modes = list(entry["step_ms"])
-            ax.bar(modes, [entry["step_ms"][m] for m in modes], color="#4c72b0")
-            ax.set_title(f"step time, {model}")
-            ax.set_ylabel("ms per step (median)")
+
+    def save(fig: Any, name: str) -> None:
         fig.tight_layout()
-        path = os.path.join(out_dir, "overhead.png")
+        path = os.path.join(out_dir, name)
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
+
+    overhead = _ok(results, "overhead")
+    if overhead:
+        models = overhead["models"]
+        fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+        for ax, (model, entry) in zip(axes[0], models.items()):
+            modes = list(entry["step_ms"])
+            colors = ["#999999" if m not in overhead["baseline"] else "#dd8452" if m == "torchft" else "#4c72b0"
+                      for m in modes]
+            bars = ax.bar([overhead["labels"][m] for m in modes], [entry["step_ms"][m] for m in modes], color=colors)
+            for bar, mode in zip(bars, modes):
+                ratio = entry["ratio_vs_baseline"].get(mode)
+                if ratio is not None:
+                    ax.annotate(f"{ratio:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                                ha="center", va="bottom", fontsize=8)
+            ax.set_title(f"median step time, {model} (grey: plain baseline)")
+            ax.set_ylabel("ms per step")
+            ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+        save(fig, "overhead.png")
+
+    quorum = _ok(results, "quorum_latency")
+    if quorum:
+        fig, ax = plt.subplots(figsize=(6.5, 4.5))
+        for impl, mode, color in (("ft_core", "steady", "#4c72b0"), ("torchft", "steady", "#dd8452"),
+                                  ("ft_core", "membership", "#55a868")):
+            series = quorum.get(impl, {}).get(mode)
+            if not series:
+                continue
+            ns = sorted(int(n) for n in series)
+            name = ("ours" if impl == "ft_core" else "torchft") + ("" if mode == "steady" else ", membership change")
+            for key, style in (("p50_ms", "-o"), ("p99_ms", "--s")):
+                ax.plot(ns, [_get(_get(series, n), key) for n in ns], style, color=color, label=f"{name} {key[:3]}")
+        ax.axhline(30, color="red", linewidth=0.8, linestyle=":", label="target p99 at 64 groups (30 ms)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("replica groups")
+        ax.set_ylabel("quorum round trip (ms)")
+        ax.set_title("quorum latency vs number of groups")
+        ax.legend(fontsize=7)
+        save(fig, "quorum_latency.png")
+
+    transfer = _ok(results, "transfer")
+    if transfer:
+        fig, ax = plt.subplots(figsize=(6.5, 4.5))
+        sizes = sorted(transfer["sizes"].items(), key=lambda kv: kv[1]["bytes"])
+        xs = [row["bytes"] / 1e6 for _, row in sizes]
+        names = {"raw_tcp": "raw TCP (ceiling)", "http_fresh": "ours HTTP, fresh", "http_inplace": "ours HTTP, in place",
+                 "pg": "ours PG (Gloo)", "torchft_http": "torchft HTTPTransport"}
+        for kind in transfer.get("kinds", ["raw_tcp", "http_fresh", "http_inplace", "pg"]):
+            ax.plot(xs, [row[kind + "_gbps"] for _, row in sizes], "-o", label=names.get(kind, kind))
+        ax.axhline(3.0, color="red", linewidth=0.8, linestyle=":", label="target 3 GB/s (1 GB)")
+        ax.set_xscale("log")
+        ax.set_xlabel("checkpoint size (MB)")
+        ax.set_ylabel("GB/s (best of reps)")
+        ax.set_title("heal transfer throughput on loopback")
+        ax.legend(fontsize=7)
+        save(fig, "transfer.png")
+
+    failure = _ok(results, "failure")
+    if failure:
+        bars = [("ours", failure["restart"])]
+        if "total_s" in failure.get("torchft", {}):
+            bars.append(("torchft", failure["torchft"]))
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.2), gridspec_kw={"width_ratios": [3, 1]})
+        colors = ["#4c72b0", "#55a868", "#c44e52", "#8172b3", "#937860"]
+        for y, (name, data) in enumerate(bars):
+            left = 0.0
+            for (key, label), color in zip(PHASES, colors):
+                width = float(data.get(key) or 0.0)
+                ax1.barh(y, width, left=left, color=color, label=label if y == 0 else None)
+                left += width
+        ax1.axvline(2.5, color="red", linewidth=0.8, linestyle=":", label="target 2.5 s")
+        ax1.set_yticks(range(len(bars)), [name for name, _ in bars])
+        ax1.set_xlabel("seconds from the restart's spawn to its first commit")
+        ax1.set_title("killed group: restart to first commit")
+        ax1.legend(fontsize=7, loc="lower right")
+        ax2.bar([name for name, _ in bars], [float(d.get("survivor_gap_s") or 0.0) for _, d in bars],
+                color=["#4c72b0", "#dd8452"][: len(bars)])
+        ax2.axhline(0.5, color="red", linewidth=0.8, linestyle=":")
+        ax2.set_ylabel("seconds")
+        ax2.set_title("survivors' longest gap")
+        save(fig, "failure.png")
     return written
 
 
 def update_readme(markdown_text: str, readme_path: str) -> None:
     """Replace the text between the results markers (append the section if absent)."""
     text = open(readme_path).read() if os.path.exists(readme_path) else "# Benchmarks\n"
-    block = f"{README_BEGIN}\n{markdown_text}\n{README_END}"
+    images = "\n".join(f"![{name}](results/{name}.png)" for name in ("overhead", "quorum_latency", "transfer", "failure")
+                       if os.path.exists(os.path.join(os.path.dirname(readme_path), "results", f"{name}.png")))
+    block = f"{README_BEGIN}\n{markdown_text}\n{images}\n{README_END}"
     if README_BEGIN in text and README_END in text:
         text = re.sub(re.escape(README_BEGIN) + ".*?" + re.escape(README_END), lambda _: block, text, flags=re.S)
     else:

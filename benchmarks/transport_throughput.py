@@ -156,6 +156,69 @@ def bench_http(nbytes: int, reps: int) -> dict[str, float]:
     return {"bytes": total, **{f"{k}_times": v for k, v in out.items()}}
 
 
+# ---------------------------------------------------------------- torchft's HTTPTransport (same harness)
+
+
+def _torchft_transport(timeout: timedelta) -> Any:
+    """torchft's HTTPTransport as its Manager builds it (num_chunks=0), advertising 127.0.0.1 instead of the
+    host name (name lookups can stall here)."""
+    os.environ.setdefault("RUST_LOG", "error")
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    transport = HTTPTransport(timeout=timeout, num_chunks=0)
+    port = transport._server.socket.getsockname()[1]
+    transport.address = lambda: f"http://127.0.0.1:{port}/checkpoint/"  # type: ignore[method-assign]
+    transport._server.RequestHandlerClass.log_message = lambda *args: None  # one stderr line per request
+    return transport
+
+
+def _torchft_source_main(conn: Any, nbytes: int) -> None:
+    _single_thread()
+    state = make_state(nbytes)
+    transport = _torchft_transport(TIMEOUT)
+    try:
+        conn.send(transport.metadata())
+        while (msg := conn.recv())[0] != "stop":
+            transport.disallow_checkpoint()
+            transport.send_checkpoint([1], msg[1], state, TIMEOUT)
+            conn.send("staged")
+    finally:
+        transport.shutdown()
+
+
+def bench_torchft_http(nbytes: int, reps: int) -> list[float]:
+    """Seconds per `recv_checkpoint` of torchft's HTTPTransport (fresh tensors, as a restarted replica)."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_torchft_source_main, args=(child, nbytes), name="bench-torchft-source", daemon=True)
+    proc.start()
+    receiver = None
+    try:
+        if not parent.poll(120):
+            raise TimeoutError("torchft source did not start")
+        metadata = parent.recv()
+        receiver = _torchft_transport(TIMEOUT)
+        times = []
+        for rep in range(reps):
+            parent.send(("stage", rep))
+            if not parent.poll(TIMEOUT.total_seconds()):
+                raise TimeoutError("torchft source did not stage its checkpoint")
+            parent.recv()
+            start = time.perf_counter()
+            result = receiver.recv_checkpoint(src_rank=0, metadata=metadata, step=rep, timeout=TIMEOUT)
+            times.append(time.perf_counter() - start)
+            del result
+        parent.send(("stop",))
+        proc.join(30)
+    finally:
+        if receiver is not None:
+            receiver.shutdown()
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+    return times
+
+
 # ---------------------------------------------------------------- PG transport over two processes
 
 
@@ -212,8 +275,12 @@ def bench_pg(nbytes: int, reps: int) -> list[float]:
 # ---------------------------------------------------------------- driver
 
 
-def run(quick: bool = False, sizes: list[int] | None = None, reps: int | None = None) -> dict[str, Any]:
+def run(quick: bool = False, sizes: list[int] | None = None, reps: int | None = None,
+        baseline: bool = True) -> dict[str, Any]:
     """Measure every size; returns {"sizes": {label: metrics}, "target_gbps", "reference"}."""
+    from benchmarks import _harness
+
+    torchft = baseline and _harness.torchft_available()
     sizes = sizes or ([10 << 20, 100 << 20] if quick else [10 << 20, 100 << 20, 1 << 30])
     reps = reps or (2 if quick else 3)
     results: dict[str, Any] = {}
@@ -223,6 +290,8 @@ def run(quick: bool = False, sizes: list[int] | None = None, reps: int | None = 
         total = http["bytes"]
         times = {"raw_tcp": http["raw_times"], "http_fresh": http["fresh_times"],
                  "http_inplace": http["inplace_times"], "pg": bench_pg(nbytes, reps)}
+        if torchft:
+            times["torchft_http"] = bench_torchft_http(nbytes, reps)
         row: dict[str, Any] = {"bytes": total}
         for key, values in times.items():  # the machine is shared: best shows capability, median typical
             row[f"{key}_s"] = min(values)
@@ -231,9 +300,12 @@ def run(quick: bool = False, sizes: list[int] | None = None, reps: int | None = 
             row[f"{key}_median_gbps"] = total / statistics.median(values) / 1e9
         row["http_inplace_vs_raw"] = row["http_inplace_gbps"] / row["raw_tcp_gbps"]
         row["http_fresh_vs_raw"] = row["http_fresh_gbps"] / row["raw_tcp_gbps"]
+        if torchft:
+            row["http_fresh_vs_torchft"] = row["http_fresh_gbps"] / row["torchft_http_gbps"]
         results[label] = row
     return {"sizes": results, "target_gbps": TARGET_GBPS, "reference": REFERENCE, "reps": reps,
-            "cpus": os.cpu_count()}
+            "cpus": os.cpu_count(), "torchft_installed": _harness.torchft_available(),
+            "kinds": ["raw_tcp", "http_fresh", "http_inplace", "pg"] + (["torchft_http"] if torchft else [])}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,9 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default=None, help="comma-separated, e.g. 10MB,100MB,1GB")
     parser.add_argument("--quick", action="store_true", help="10MB and 100MB, 2 repetitions")
     parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--no-baseline", action="store_true", help="skip torchft's HTTPTransport even when installed")
     args = parser.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else None
-    report = run(quick=args.quick, sizes=sizes, reps=args.reps)
+    report = run(quick=args.quick, sizes=sizes, reps=args.reps, baseline=not args.no_baseline)
     print(f"checkpoint transport throughput on loopback ({report['cpus']} CPUs, best of {report['reps']}, "
           "median in brackets); "
           f"target >= {TARGET_GBPS} GB/s for 1 GB over HTTP; {REFERENCE}")
@@ -255,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
         cells = [f"{row[k + '_s']:.3f}s {row[k + '_gbps']:.2f} ({row[k + '_median_gbps']:.2f}) GB/s"
                  for k in ("raw_tcp", "http_fresh", "http_inplace", "pg")]
         print(f"{label:>6} | " + " | ".join(f"{c:>22}" for c in cells) + f" | {row['http_inplace_vs_raw']:>12.2f}")
+        if "torchft_http_s" in row:
+            print(f"{'':>6}   torchft HTTPTransport: {row['torchft_http_s']:.3f}s {row['torchft_http_gbps']:.2f} "
+                  f"({row['torchft_http_median_gbps']:.2f}) GB/s; ours (fresh) / torchft {row['http_fresh_vs_torchft']:.2f}x")
     return 0
 
 

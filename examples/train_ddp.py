@@ -22,6 +22,7 @@ import time
 STARTED = time.time()  # before the heavy imports: the benchmark splits start-up from the rest
 
 import argparse  # noqa: E402
+import gc  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
@@ -265,8 +266,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"group {replica_group_id} rank {rank}: done at step {manager.current_step()} digest {digest[:16]}",
           flush=True)
     manager.shutdown()
+    pg.shutdown()
     if world_size > 1:
         dist.destroy_process_group()
+    if step_log:
+        step_log.write(json.dumps({"event": "shutdown", "time": time.time()}) + "\n")
+        step_log.close()
+    # Everything is closed; skip the interpreter's final full garbage collection over torch's
+    # objects, which alone delays the exit by 0.3-1 s on a busy machine.
+    gc.freeze()
     return 0
 
 

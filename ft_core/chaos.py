@@ -26,7 +26,6 @@ import os
 import random
 import secrets
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -35,8 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ft_core.chaos_checks import LogTail, check_run, heal_fault_outcomes, heal_stats, read_run
+from ft_core.chaos_processes import LighthouseProcess, leftovers
 from ft_core.chaos_worker import EXIT_FILE
-from ft_core.launcher import GroupState, LaunchEvent, Launcher, StopSignals, free_port
+from ft_core.launcher import GroupState, LaunchEvent, Launcher, StopSignals
 
 logger = logging.getLogger(__name__)
 
@@ -99,48 +99,6 @@ class Fault:
     step: int | None = None  # heal faults: the step being transferred
 
 
-class LighthouseProcess:
-    """`ftl lighthouse` as a child process in its own session: killed and restarted on one port."""
-
-    def __init__(self, cfg: ChaosConfig, log_path: str) -> None:
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self._cfg = cfg
-        self._log_path = log_path
-        self.proc: subprocess.Popen | None = None
-        self.pids: list[int] = []
-        self.starts = 0
-
-    def start(self) -> None:
-        cfg = self._cfg
-        argv = [sys.executable, "-m", "ft_core", "lighthouse", "--bind", self.address, "--http-bind", "off",
-                "--min-replicas", str(cfg.min_replicas), "--join-timeout-ms", str(cfg.join_timeout_ms),
-                "--heartbeat-timeout-ms", str(cfg.heartbeat_timeout_ms), "--log-level", "WARNING"]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        if cfg.token:
-            env["FT_TOKEN"] = cfg.token
-        with open(self._log_path, "ab") as log:
-            self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-        self.pids.append(self.proc.pid)
-        self.starts += 1
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def kill(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(timeout=10)
-        self.proc = None
-
-
 @dataclass
 class _Live:
     """The little the schedule needs to know about one incarnation, updated as its records arrive."""
@@ -192,8 +150,8 @@ class ChaosRun:
         self.live: dict[tuple[str, int], _Live] = {}
         self.stopped: _Stopped | None = None
         self.lighthouse_back_at: float | None = None
-        self.armed: tuple[str, float] | None = None
-        self.bag: list[str] = []  # (kind, armed at) of a heal fault waiting for a heal
+        self.armed: tuple[str, float] | None = None  # (kind, armed at) of a heal fault waiting for a heal
+        self.bag: list[str] = []  # fault kinds left in this round
         self.target: int | None = None
         self.progress_mark = 0
         self.next_fault_at = 0.0
@@ -518,25 +476,6 @@ class ChaosRun:
         with open(os.path.join(cfg.out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         return summary
-
-
-def leftovers(sessions: set[int]) -> list[tuple[int, str]]:
-    """Live processes whose session is one this run created (every child runs in its own session)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        name = stat[stat.find("(") + 1:stat.rfind(")")]
-        fields = stat[stat.rfind(")") + 2:].split()
-        state, session = fields[0], int(fields[3])
-        if session in sessions and state != "Z":
-            found.append((int(entry), name))
-    return found
 
 
 def print_summary(console: Any, summary: dict[str, Any]) -> None:

@@ -2,7 +2,8 @@
 
 `future_timeout(fut, timeout)` returns a future that completes with `fut`'s value, or fails with
 FTTimeoutError when the deadline passes first. All deadlines share one daemon thread ("ft-timer")
-that sleeps on a heap of deadlines, so arming a timeout costs a heap push, not a thread.
+that sleeps on a heap of deadlines, so arming a timeout costs a heap push, not a thread;
+`stop_timer_if_idle()` ends that thread (Manager.shutdown calls it).
 """
 
 from __future__ import annotations
@@ -31,22 +32,27 @@ def _seconds(timeout: timedelta | float) -> float:
 
 
 class _Timer:
-    """One thread running callbacks at their deadlines; cancellable by handle."""
+    """One thread running callbacks at their deadlines; cancellable by handle.
+
+    The thread starts with the first deadline and ends at `stop_if_idle` (a Manager's shutdown)
+    once no live deadline is left; the next `schedule` starts a new one.
+    """
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._heap: list[tuple[float, int, Callable[[], None]]] = []
-        self._cancelled: set[int] = set()
-        self._pending: set[int] = set()
+        self._heap: list[tuple[float, int]] = []
+        self._live: dict[int, Callable[[], None]] = {}
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
+        self._stopping = False
 
     def schedule(self, delay_s: float, callback: Callable[[], None]) -> int:
         with self._cond:
             handle = next(self._seq)
-            heapq.heappush(self._heap, (time.monotonic() + max(delay_s, 0.0), handle, callback))
-            self._pending.add(handle)
-            if self._thread is None or not self._thread.is_alive():
+            heapq.heappush(self._heap, (time.monotonic() + max(delay_s, 0.0), handle))
+            self._live[handle] = callback
+            self._stopping = False
+            if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="ft-timer", daemon=True)
                 self._thread.start()
             self._cond.notify()
@@ -54,26 +60,43 @@ class _Timer:
 
     def cancel(self, handle: int) -> None:
         with self._cond:
-            if handle in self._pending:
-                self._cancelled.add(handle)
+            self._live.pop(handle, None)
+            if not self._live:
+                self._heap.clear()  # cancelled entries would otherwise sit there until their deadline
+
+    def stop_if_idle(self, timeout: float) -> bool:
+        """End the thread if no deadline is live; True when no timer thread is left running."""
+        with self._cond:
+            thread = self._thread
+            if thread is None:
+                return True
+            if self._live:
+                return False
+            self._stopping = True
+            self._cond.notify()
+        thread.join(timeout)
+        return not thread.is_alive()
+
+    def _next_callback(self) -> Callable[[], None] | None:
+        """Wait for the next due callback; None when asked to stop with nothing live."""
+        with self._cond:
+            while True:
+                while self._heap and self._heap[0][1] not in self._live:
+                    heapq.heappop(self._heap)
+                if self._stopping and not self._live:
+                    self._stopping = False
+                    self._thread = None
+                    return None
+                if not self._heap:
+                    self._cond.wait()
+                    continue
+                wait = self._heap[0][0] - time.monotonic()
+                if wait <= 0:
+                    return self._live.pop(heapq.heappop(self._heap)[1])
+                self._cond.wait(wait)
 
     def _run(self) -> None:
-        while True:
-            with self._cond:
-                while True:
-                    while self._heap and self._heap[0][1] in self._cancelled:
-                        handle = heapq.heappop(self._heap)[1]
-                        self._cancelled.discard(handle)
-                        self._pending.discard(handle)
-                    if not self._heap:
-                        self._cond.wait()
-                        continue
-                    wait = self._heap[0][0] - time.monotonic()
-                    if wait <= 0:
-                        _, handle, callback = heapq.heappop(self._heap)
-                        self._pending.discard(handle)
-                        break
-                    self._cond.wait(wait)
+        while (callback := self._next_callback()) is not None:
             try:
                 callback()
             except Exception:  # a callback's failure must not stop every other deadline
@@ -91,6 +114,14 @@ def schedule(delay: timedelta | float, callback: Callable[[], None]) -> int:
 def cancel(handle: int) -> None:
     """Cancel a scheduled callback (no-op when it already ran)."""
     _TIMER.cancel(handle)
+
+
+def stop_timer_if_idle(timeout: timedelta | float = 1.0) -> bool:
+    """End the "ft-timer" thread when no deadline is pending (it restarts on the next one).
+
+    Returns True when no timer thread is left; False while some deadline is still live.
+    """
+    return _TIMER.stop_if_idle(_seconds(timeout))
 
 
 def _add_done(fut: AnyFuture, callback: Callable[[AnyFuture], None]) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 import threading
@@ -29,7 +30,7 @@ from ft_core.errors import ConfigError
 from ft_core.lighthouse_core import LighthouseConfig, LighthouseCore, Waiter
 from ft_core.proto import ft_pb2
 from ft_core.quorum import member_problem, replica_id_problem
-from ft_core.rpc import SERVER_OPTIONS, normalize_address, token_matches
+from ft_core.rpc import SERVER_OPTIONS, add_server_port, normalize_address, token_matches
 from ft_core.types import QuorumMember
 
 logger = logging.getLogger(__name__)
@@ -235,7 +236,7 @@ class LighthouseServer:
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         host = f"[{self._host}]" if ":" in self._host else self._host
         try:
-            port = server.add_insecure_port(f"{host}:{self._requested_port}")
+            port = add_server_port(server, f"{host}:{self._requested_port}")  # TLS when FT_TLS_CERT/KEY are set
         except RuntimeError as exc:
             raise ConfigError(f"lighthouse could not bind {self.config.bind}: {exc}; is the port in use?") from exc
         if not port:
@@ -316,8 +317,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=5_000,
                         help="a silent replica is dead after this long")
     parser.add_argument("--token", default=None, help="shared token required on every call (or FT_TOKEN)")
+    parser.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC and HTTP over TLS (or FT_TLS_CERT)")
+    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert (or FT_TLS_KEY)")
+    parser.add_argument("--tls-ca", default=None, help="PEM CA that signed the managers' certificates (or FT_TLS_CA)")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     opts = parser.parse_args(argv)
+    for value, var in ((opts.tls_cert, "FT_TLS_CERT"), (opts.tls_key, "FT_TLS_KEY"), (opts.tls_ca, "FT_TLS_CA")):
+        if value:  # this process's TLS settings (an FT_TLS_* variable already set still wins, as everywhere)
+            os.environ.setdefault(var, value)
     console = Console(stderr=True)
     logging.basicConfig(level=opts.log_level.upper(), format="%(message)s",
                         handlers=[RichHandler(console=console, show_path=False)])

@@ -20,7 +20,8 @@ import grpc
 from ft_core.env import resolve_str
 from ft_core.errors import ConfigError, FTTimeoutError, RPCError
 from ft_core.proto import ft_pb2, ft_pb2_grpc
-from ft_core.rpc import CHANNEL_OPTIONS, auth_metadata, backoff_delays, call, map_rpc_error, seconds, split_addresses
+from ft_core.rpc import (CHANNEL_OPTIONS, auth_metadata, backoff_delays, call, map_rpc_error, open_channel, seconds,
+                         split_addresses)
 from ft_core.types import Quorum, QuorumMember
 
 logger = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class LighthouseClient:
                 raise RPCError(f"LighthouseClient for {self._addrs} is closed", peer=addr, call="", code="CLOSED")
             channel = self._channels.get(addr)
             if channel is None:
-                channel = grpc.insecure_channel(addr, options=CLIENT_CHANNEL_OPTIONS)
+                channel = open_channel(addr, CLIENT_CHANNEL_OPTIONS)  # TLS when FT_TLS_CA/FT_TLS_CERT are set
                 self._channels[addr] = channel
             return channel
 

@@ -27,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from ft_core.errors import ConfigError, FTError, RPCError
 from ft_core.proto import ft_pb2, ft_pb2_grpc
-from ft_core.rpc import CHANNEL_OPTIONS, call, normalize_address, token_matches
+from ft_core.rpc import CHANNEL_OPTIONS, call, normalize_address, open_channel, server_ssl_context, token_matches
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def kill_replica(core: Any, replica_id: str, token: str | None, timeout_s: float
     if not address:
         return 404, {"error": f"replica {replica_id!r} is unknown or reported no manager address"}
     target = normalize_address(address)
-    channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    channel = open_channel(target, CHANNEL_OPTIONS)
     try:
         try:
             grpc.channel_ready_future(channel).result(timeout=timeout_s)
@@ -96,6 +96,7 @@ def kill_replica(core: Any, replica_id: str, token: str | None, timeout_s: float
 class _Handler(BaseHTTPRequestHandler):
     server_version = "ftl-lighthouse"
     server: _Server
+    timeout = 30.0  # a connection that sends nothing is closed, so idle clients cannot pin threads
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("http %s: " + format, self.client_address[0], *args)
@@ -175,7 +176,24 @@ class _Server(ThreadingHTTPServer):
         self.metrics = metrics
         self.token = token
         self.page = DASHBOARD.read_bytes()
+        self.ssl_context = server_ssl_context()  # https when FT_TLS_CERT/FT_TLS_KEY are set
         super().__init__(addr, _Handler)
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        """With TLS, the handshake runs here, in the request's own thread (a slow client blocks no one)."""
+        if self.ssl_context is None:
+            super().finish_request(request, client_address)
+            return
+        try:
+            request.settimeout(10.0)
+            wrapped = self.ssl_context.wrap_socket(request, server_side=True)
+        except OSError as exc:  # ssl.SSLError included: a plaintext or broken client
+            logger.debug("TLS handshake with %s failed: %s", client_address[0], exc)
+            return
+        try:
+            super().finish_request(wrapped, client_address)
+        finally:
+            wrapped.close()
 
 
 class StatusHTTPServer:
@@ -189,7 +207,8 @@ class StatusHTTPServer:
             self._server = _Server((host, port), core, metrics, token)
         except OSError as exc:
             raise ConfigError(f"lighthouse HTTP could not bind {bind}: {exc}; is the port in use?") from exc
-        self._address = f"http://{client_host(host)}:{self._server.server_address[1]}"
+        scheme = "https" if self._server.ssl_context is not None else "http"
+        self._address = f"{scheme}://{client_host(host)}:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
                                         name="ftl-lighthouse-http", daemon=True)
         self._thread.start()

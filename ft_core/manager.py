@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import enum
 import logging
 import os
 import threading
 import time
-import uuid
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -30,115 +27,32 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from ft_core import futures as ft_futures
-from ft_core.env import resolve_int, resolve_seconds, resolve_str
-from ft_core.errors import CheckpointError, CommitError, ConfigError, FTError, FTTimeoutError
+from ft_core.errors import (
+    CheckpointError,
+    CommitError,
+    ConfigError,
+    FTError,
+    FTTimeoutError,
+)
 from ft_core.managed_work import ManagedWork
+from ft_core.manager_config import (
+    ManagerConfig,
+    WorldSizeMode,
+    env_int,
+    participation,
+    resolve_config,
+    vote_world_size,
+)
 from ft_core.recovery import QuorumResult
 
-__all__ = ["Manager", "WorldSizeMode", "ManagerConfig", "participation"]
+__all__ = ["Manager", "ManagerConfig", "WorldSizeMode", "participation", "resolve_config"]
 
 logger = logging.getLogger(__name__)
 events = logging.getLogger("ft_core.events")
 
 STORE_PREFIX = "ft_manager"
 _MARGIN_S = 5.0  # on top of a server-side deadline, for the hop back
-
-
-class WorldSizeMode(enum.Enum):
-    """How many groups contribute: all up-to-date ones (DYNAMIC), or exactly min_replica_size."""
-
-    DYNAMIC = "dynamic"
-    FIXED_WITH_SPARES = "fixed_with_spares"
-
-
-@dataclass(frozen=True)
-class ManagerConfig:
-    """A Manager's settings, resolved once: FT_* environment variables override arguments."""
-
-    replica_id: str
-    group_rank: int
-    group_world_size: int
-    min_replica_size: int
-    use_async_quorum: bool
-    timeout: timedelta
-    quorum_timeout: timedelta
-    connect_timeout: timedelta
-    world_size_mode: WorldSizeMode
-    lighthouse_addr: str | None
-    port: int
-    hostname: str
-    heartbeat_interval: timedelta
-    init_sync: bool
-    max_retries: int | None
-    quorum_retries: int
-    token: str | None = field(default=None, repr=False)
-
-
-def _env_int(name: str) -> int | None:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(f"environment variable {name}={raw!r} is not an integer; unset it or fix it") from None
-
-
-def resolve_config(*, replica_id: str | None, rank: int | None, world_size: int | None, min_replica_size: int,
-                   use_async_quorum: bool, timeout: Any, quorum_timeout: Any, connect_timeout: Any,
-                   world_size_mode: WorldSizeMode, lighthouse_addr: str | list[str] | None, port: int | None,
-                   hostname: str, heartbeat_interval: timedelta, init_sync: bool, max_retries: int | None,
-                   quorum_retries: int | None, token: str | None) -> ManagerConfig:
-    """Arguments, then FT_* overrides; group rank/size and replica name fall back to torchrun's env."""
-    group_rank = rank if rank is not None else (_env_int("RANK") or 0)
-    group_world_size = world_size if world_size is not None else (_env_int("WORLD_SIZE") or 1)
-    if group_world_size < 1 or not 0 <= group_rank < group_world_size:
-        raise ConfigError(f"group rank {group_rank} / group world size {group_world_size} are inconsistent; "
-                          f"pass rank= and world_size= (ranks inside one replica group) or set RANK/WORLD_SIZE")
-    if min_replica_size < 1:
-        raise ConfigError(f"min_replica_size must be >= 1, got {min_replica_size}")
-    if max_retries is not None and max_retries < 0:
-        raise ConfigError(f"max_retries must be None or >= 0, got {max_retries}")
-    base = replica_id if replica_id is not None else os.environ.get("REPLICA_GROUP_ID", "")
-    addr = ",".join(lighthouse_addr) if isinstance(lighthouse_addr, (list, tuple)) else lighthouse_addr
-    return ManagerConfig(
-        replica_id=f"{base}:{uuid.uuid4().hex[:12]}" if base else uuid.uuid4().hex[:12],
-        group_rank=group_rank, group_world_size=group_world_size, min_replica_size=min_replica_size,
-        use_async_quorum=use_async_quorum,
-        timeout=resolve_seconds(timeout, "FT_TIMEOUT_SEC", timedelta(seconds=60)),
-        quorum_timeout=resolve_seconds(quorum_timeout, "FT_QUORUM_TIMEOUT_SEC", timedelta(seconds=60)),
-        connect_timeout=resolve_seconds(connect_timeout, "FT_CONNECT_TIMEOUT_SEC", timedelta(seconds=60)),
-        world_size_mode=WorldSizeMode(world_size_mode), lighthouse_addr=resolve_str(addr, "FT_LIGHTHOUSE", None),
-        port=resolve_int(port, "FT_MANAGER_PORT", 0), hostname=hostname, heartbeat_interval=heartbeat_interval,
-        init_sync=init_sync, max_retries=max_retries, quorum_retries=resolve_int(quorum_retries, "FT_QUORUM_RETRIES", 0),
-        token=resolve_str(token, "FT_TOKEN", None) or None)
-
-
-def participation(result: QuorumResult, *, use_async_quorum: bool, allow_heal: bool, init_sync: bool,
-                  mode: WorldSizeMode, min_replica_size: int) -> tuple[int | None, int]:
-    """(participating rank or None, number of participants) for this group in `result`.
-
-    Async (or no healing): only groups at max_step that do not heal contribute; at step 0 with
-    init_sync every group but the first heals from it, so the first one alone contributes.
-    Sync with healing: healers load before the forward pass and contribute like everyone.
-    FIXED_WITH_SPARES: exactly min_replica_size contribute; the rest are spares (None).
-    """
-    if use_async_quorum or not allow_heal:
-        if init_sync and allow_heal and result.max_step == 0:
-            rank, world = (0 if result.max_replica_rank == 0 else None), 1
-        else:
-            rank, world = result.max_replica_rank, result.max_world_size
-    else:
-        rank, world = result.replica_rank, result.replica_world_size
-    if mode == WorldSizeMode.FIXED_WITH_SPARES:
-        world = min(world, min_replica_size)
-        if rank is not None and rank >= min_replica_size:
-            rank = None
-    return rank, world
-
-
-def _capped(world: int, cfg: ManagerConfig) -> int:
-    return min(world, cfg.min_replica_size) if cfg.world_size_mode == WorldSizeMode.FIXED_WITH_SPARES else world
+_SHUTDOWN_JOIN_S = 5.0  # longest shutdown() waits for one thread it started
 
 
 def _nbytes(obj: Any) -> int:
@@ -199,6 +113,9 @@ class Manager:
         self._server: Any = None
         self._client: Any = None
         self._store: Any = None
+        # Clients of heal sources' manager servers, kept open: closing a fresh gRPC channel blocks
+        # ~0.2 s (grpc's connectivity poller), which would stall every group waiting on the healer.
+        self._source_clients: dict[str, Any] = {}
 
         self._setup_store_and_server(cfg, store_addr, store_port)
         self.config = cfg = dataclasses.replace(cfg, replica_id=self._replica_id)
@@ -222,7 +139,7 @@ class Manager:
             host, port = cfg.hostname, self._store.port
         else:
             host = store_addr or os.environ.get("MASTER_ADDR")
-            port = store_port if store_port is not None else _env_int("MASTER_PORT")
+            port = store_port if store_port is not None else env_int("MASTER_PORT")
             if not host or not port:
                 raise ConfigError("a replica group with several ranks needs its TCPStore: pass store_addr= and "
                                   "store_port= or run under torchrun (MASTER_ADDR/MASTER_PORT)")
@@ -304,12 +221,16 @@ class Manager:
 
     def _on_collective_error(self, e: BaseException) -> None:
         self.report_error(e if isinstance(e, Exception) else FTError(str(e)))
+        self._break_pg()
+
+    def _break_pg(self) -> None:
+        """Skip this step's remaining collectives, rebuild the group at the next quorum, and abort it
+        now: peers blocked on a collective with us fail at once instead of at their timeout."""
         with self._error_lock:
             if self._pg_broken:
                 return
             self._pg_broken = True
             self._quorum_id = -1  # rebuild at the next quorum whatever its id
-        # Aborting makes peers blocked on us fail now instead of at their timeout.
         if not self._closed:
             try:
                 self._executor.submit(self._abort_pg)
@@ -353,10 +274,10 @@ class Manager:
             raise FTError(f"{self._prefix()} wait_quorum before start_quorum: call start_quorum() first "
                           f"(OptimizerWrapper.zero_grad does)")
         bound = self._quorum_timeout_s + 3 * self.config.timeout.total_seconds() + _MARGIN_S
-        try:
-            fut.result(timeout=bound)
-        except concurrent.futures.TimeoutError:
-            raise FTTimeoutError(f"{self._prefix()} quorum did not finish within {bound:.3g}s") from None
+        done, _ = concurrent.futures.wait([fut], timeout=bound)
+        if not done:
+            raise FTTimeoutError(f"{self._prefix()} quorum (and healing) did not finish within {bound:.3g}s")
+        fut.result()  # the quorum's own error (e.g. the lighthouse's FTTimeoutError), unchanged
 
     def _quorum_call(self, shrink_only: bool, timeout_s: float) -> QuorumResult:
         cfg = self.config
@@ -376,10 +297,7 @@ class Manager:
                                     init_sync=cfg.init_sync, mode=cfg.world_size_mode,
                                     min_replica_size=cfg.min_replica_size)
         self._participating_rank, self._participating_world_size = rank, world
-        # At step 0 with init_sync only the first group contributes, but every group at max_step ends
-        # this step in sync, so all of them count toward min_replica_size (else nobody could commit).
-        synced = _capped(result.max_world_size, cfg) if cfg.init_sync and result.max_step == 0 else world
-        self._vote_world_size = max(world, synced) if allow_heal else world
+        self._vote_world_size = vote_world_size(result, world, cfg, allow_heal)
         heal = allow_heal and result.heal
         changed = result.quorum_id != self._quorum_id
         if changed or heal or result.recover_dst_replica_ranks:
@@ -421,8 +339,16 @@ class Manager:
 
         cfg = self.config
         started = time.perf_counter()
-        with ManagerClient(result.recover_src_manager_address, cfg.connect_timeout, token=cfg.token) as client:
+        address = result.recover_src_manager_address
+        client = self._source_clients.get(address)
+        if client is None:
+            client = self._source_clients[address] = ManagerClient(address, cfg.connect_timeout, token=cfg.token)
+        try:
             metadata = client.checkpoint_metadata(cfg.group_rank, cfg.timeout)
+        except FTError:
+            self._source_clients.pop(address, None)  # likely dead: drop it (its channel is old, closing is quick)
+            client.close()
+            raise
         state = self._transport.recv_checkpoint(result.recover_src_replica_rank, metadata, result.max_step,
                                                 cfg.timeout)
         ft_state = state.get("ft") if isinstance(state, dict) else None
@@ -497,7 +423,7 @@ class Manager:
         self.wait_quorum()
         pg_error = self._pg_error()
         if pg_error is not None:
-            self.report_error(pg_error)
+            self._on_collective_error(pg_error)
         if self._pending_state_dict is not None:
             self._apply_pending_state_dict()
         n = self._participating_world_size
@@ -510,6 +436,8 @@ class Manager:
             self._commit_failures = 0
         else:
             self._commit_failures += 1
+            if local or self._errored is not None:  # not merely too few participants
+                self._break_pg()  # a peer may still wait on a collective this group skipped
             logger.warning("%s step not committed (participants %d, min %d, error %s); consecutive failures %d",
                            self._prefix(), n, self.config.min_replica_size, self._errored, self._commit_failures)
         self._emit("commit", committed=decision, num_participants=n)
@@ -599,19 +527,38 @@ class Manager:
         events.info("%s %s %s", self._prefix(), kind, fields, extra={"ft_event": event})
 
     def shutdown(self, wait: bool = True) -> None:
-        """Stop the quorum thread, the transport, the manager server and clients. Idempotent."""
+        """Stop everything this Manager started: manager server (or client), heal-source clients,
+        checkpoint transport, quorum thread and (when idle) the futures timer. Idempotent; with
+        wait=True the threads are joined, each within a bound. The process group is the caller's."""
         if self._closed:
             return
         self._closed = True
-        self._executor.shutdown(wait=wait, cancel_futures=True)
+        started = time.perf_counter()
+        # Servers and clients first: a quorum call in flight then fails at once instead of at its deadline.
         try:
-            self._transport.shutdown(wait=wait)
-        finally:
             if self._server is not None:
                 self._server.shutdown()
             if self._client is not None:
                 self._client.close()
-        logger.info("%s manager shut down", self._prefix())
+            self._transport.shutdown(wait=wait)
+        finally:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            running = self._quorum_future
+            if wait and running is not None:
+                done, _ = concurrent.futures.wait([running], timeout=_SHUTDOWN_JOIN_S)
+                if done:
+                    self._executor.shutdown(wait=True)
+                else:
+                    logger.warning("%s quorum thread still busy after %.1fs at shutdown; not waiting longer",
+                                   self._prefix(), _SHUTDOWN_JOIN_S)
+            elif wait:
+                self._executor.shutdown(wait=True)
+            for client in self._source_clients.values():
+                client.close()
+            self._source_clients.clear()
+            if wait:
+                ft_futures.stop_timer_if_idle(_SHUTDOWN_JOIN_S)
+        logger.info("%s manager shut down in %.3fs", self._prefix(), time.perf_counter() - started)
 
     def __enter__(self) -> "Manager":
         return self

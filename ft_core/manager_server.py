@@ -158,12 +158,14 @@ class ManagerServer:
         cfg = self.config
         # Every rank may wait in Quorum and ShouldCommit at once, plus peers asking CheckpointMetadata.
         workers = 2 * cfg.world_size + 8
+        self._handlers = futures.ThreadPoolExecutor(max_workers=workers,
+                                                    thread_name_prefix=f"ft-manager[{cfg.replica_id}]")
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"ft-manager[{cfg.replica_id}]"),
+            self._handlers,
             interceptors=[rpc.TokenAuthInterceptor(cfg.token)], options=rpc.SERVER_OPTIONS)
         ft_pb2_grpc.add_ManagerServiceServicer_to_server(_ManagerServicer(self), self._server)
         try:
-            port = self._server.add_insecure_port(cfg.bind)
+            port = rpc.add_server_port(self._server, cfg.bind)  # TLS when FT_TLS_CERT/FT_TLS_KEY are set
         except RuntimeError as exc:
             raise ConfigError(f"manager server could not bind {cfg.bind!r} ({exc}); "
                               f"pick a free port or port 0") from None
@@ -175,6 +177,7 @@ class ManagerServer:
             self._start_heartbeats()
         except BaseException:
             self._server.stop(None)
+            self._handlers.shutdown(wait=False, cancel_futures=True)
             raise
         logger.info("manager server for replica group %s listening on %s (world_size=%d, lighthouse=%s, "
                     "token=%s, kill=%s)", cfg.replica_id, self._address, cfg.world_size,
@@ -218,6 +221,7 @@ class ManagerServer:
         if self._heartbeat_client is not None:
             self._heartbeat_client.close()
         self._server.stop(grace=0.2).wait(timeout=5)
+        self._handlers.shutdown(wait=True, cancel_futures=True)  # grpc does not end its executor's threads
         with self._lighthouse_lock:
             if self._lighthouse is not None:
                 self._lighthouse.close()

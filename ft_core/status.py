@@ -18,7 +18,7 @@ from http.client import HTTPException
 from typing import Any
 
 from ft_core.errors import AuthError, ConfigError, RPCError
-from ft_core.rpc import normalize_address
+from ft_core.rpc import client_ssl_context, normalize_address
 
 DEFAULT_STATUS_URL = "http://127.0.0.1:29511"
 
@@ -52,7 +52,7 @@ def fetch_status(addr: str | None, token: str | None = None, timeout_s: float = 
         if token:
             request.add_header("Authorization", f"Bearer {token}")
         try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            with urllib.request.urlopen(request, timeout=timeout_s, context=client_ssl_context()) as response:
                 return json.loads(response.read())
         except urllib.error.HTTPError as exc:
             if exc.code == 401:

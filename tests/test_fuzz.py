@@ -42,6 +42,26 @@ UINT64 = st.integers(0, 2**64 - 1)
 TEXT = st.one_of(st.text(max_size=40), st.text(max_size=1500), st.sampled_from(["", "a", "127.0.0.1:1", "\x00", "é"]))
 
 
+SENT = {"messages": 0}  # malformed (or health-check) messages sent so far
+
+
+@pytest.fixture(autouse=True)
+def count_messages(request):
+    """Check that each fuzz test really sent its examples; FT_FUZZ_REPORT=path appends the counts."""
+    before = SENT["messages"]
+    yield
+    sent = SENT["messages"] - before
+    assert sent >= min(EXAMPLES // 3, 10), f"{request.node.name} sent only {sent} messages"
+    report = os.environ.get("FT_FUZZ_REPORT")
+    if report:
+        with open(report, "a") as f:
+            f.write(f"{request.node.name} {sent}\n")
+
+
+def count() -> None:
+    SENT["messages"] += 1
+
+
 def unparsable(err: grpc.RpcError) -> bool:
     """grpc's own answer to bytes that are not the method's protobuf (raised before any handler runs)."""
     details = err.details() or ""
@@ -55,6 +75,7 @@ def outcome(invoke, *args, raw: bool = False, **kwargs) -> str:
     raw: the request is arbitrary bytes, so grpc's parse failure is a clean answer too.
     """
     started = time.monotonic()
+    count()
     try:
         invoke(*args, timeout=CALL_TIMEOUT_S, **kwargs)
         result = "ok"
@@ -159,6 +180,7 @@ def test_lighthouse_survives_raw_bytes_as_messages(lighthouse, method):
 def raw_tcp(address: str, payload: bytes) -> None:
     """Throw bytes at a port; the server must close or ignore them, never crash (checked after)."""
     host, _, port = address.rpartition(":")
+    count()
     with socket.create_connection((host, int(port)), timeout=2) as sock:
         try:
             sock.sendall(payload)
@@ -247,6 +269,7 @@ def http_requests(draw) -> bytes:
 
 def http_exchange(port: int, request: bytes) -> bytes:
     """Send one raw request, half-close, and read what comes back before the server closes or goes quiet."""
+    count()
     with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
         started = time.monotonic()
         received = b""
@@ -264,7 +287,7 @@ def http_exchange(port: int, request: bytes) -> bytes:
         assert time.monotonic() - started < ANSWER_BOUND_S + 3
     # http.server answers a request without a usable HTTP/1.x version the HTTP/0.9 way: no status line,
     # just the page or its error page ("Error code explanation: 400/505 ...").
-    simple = len(request.split(b"\r\n", 1)[0].split()) < 3 or b"Error code explanation" in received
+    simple = len(request.split(b"\n", 1)[0].split()) < 3 or b"Error code explanation" in received
     if received and not simple:
         assert received.startswith(b"HTTP/1."), received[:100]
         status = int(received.split(b" ", 2)[1])

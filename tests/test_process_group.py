@@ -3,6 +3,7 @@ hung peers become TimeoutError, wrappers, registration for functional collective
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
 
@@ -136,8 +137,12 @@ def test_collectives_match_torch_across_reconfigure_3_2_3_without_leaks(cls, sto
         group.shutdown()
     after = resources()
     assert after[2] == before[2], f"child processes left behind: {set(after[2]) - set(before[2])}"
-    assert after[1] == before[1], f"threads: {before[1]} before, {after[1]} after shutdown"
-    assert after[0] == before[0], f"open fds (sockets): {before[0]} before, {after[0]} after shutdown"
+    # No growth (earlier tests' helper threads and sockets may still be winding down, so the
+    # counts can drop while this test runs), and none of the groups' own threads survive.
+    assert after[1] <= before[1], f"threads: {before[1]} before, {after[1]} after shutdown"
+    assert after[0] <= before[0], f"open fds (sockets): {before[0]} before, {after[0]} after shutdown"
+    leftover = [t.name for t in threading.enumerate() if t.name.startswith(f"ft-{cls.BACKEND}")]
+    assert not leftover, f"threads of the shut-down groups still alive: {leftover}"
 
 
 # ---------------------------------------------------------------- faults (threads)

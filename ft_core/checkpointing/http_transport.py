@@ -38,7 +38,7 @@ from ft_core.checkpointing import serialization as ser
 from ft_core.checkpointing.transport import CheckpointTransport, seconds
 from ft_core.env import resolve_str
 from ft_core.errors import AuthError, CheckpointError, FTTimeoutError
-from ft_core.rpc import backoff_delays
+from ft_core.rpc import backoff_delays, client_ssl_context, server_ssl_context, tls_config
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +105,11 @@ class _Server(socketserver.TCPServer):
         try:
             request.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
             request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.transport.ssl_context is not None:  # TLS handshake here, not in the accept loop
+                request.settimeout(self.transport.timeout_s)
+                request = self.transport.ssl_context.wrap_socket(request, server_side=True)
+                with self.conn_lock:
+                    self.connections[threading.current_thread()] = request
             self.finish_request(request, client_address)
         except OSError as exc:  # the peer went away (e.g. a healer was killed): not the source's problem
             logger.debug("checkpoint connection from %s ended: %s", client_address, exc)
@@ -224,6 +229,8 @@ class HTTPTransport(CheckpointTransport[Any]):
         self._chunk_bytes = chunk_bytes
         self._num_connections = max(1, num_connections)
         self._token = resolve_str(token, "FT_TOKEN", None) or None
+        self._tls = tls_config()  # FT_TLS_CERT/FT_TLS_KEY: serve https; FT_TLS_CA: verify sources
+        self.ssl_context = server_ssl_context(self._tls)
         self._lock = threading.Condition()
         self._staged: _Staged | None = None
         self._pinned: dict[int, list[torch.Tensor]] = {}
@@ -235,7 +242,7 @@ class HTTPTransport(CheckpointTransport[Any]):
             raise CheckpointError(f"cannot start the checkpoint server on {bind!r}: {exc}; pick a free port "
                                   "(port 0 lets the OS choose)") from exc
         port = self._server.server_address[1]
-        self._address = f"http://{f'[{hostname}]' if ':' in hostname else hostname}:{port}"
+        self._address = f"{self._tls.http_scheme}://{f'[{hostname}]' if ':' in hostname else hostname}:{port}"
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
                                         name=f"ftl-ckpt-http-server-{port}", daemon=True)
         self._thread.start()
@@ -378,6 +385,8 @@ class HTTPTransport(CheckpointTransport[Any]):
 class _Connection(http.client.HTTPConnection):
     """An HTTP connection with large socket buffers set before connect (so TCP window scaling uses them)."""
 
+    ssl_context: Any = None  # set for an https source: the socket is wrapped after connecting
+
     def connect(self) -> None:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -386,6 +395,8 @@ class _Connection(http.client.HTTPConnection):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(self.timeout)
             sock.connect((self.host, self.port))
+            if self.ssl_context is not None:
+                sock = self.ssl_context.wrap_socket(sock, server_hostname=self.host)
         except OSError:
             sock.close()
             raise
@@ -399,9 +410,13 @@ class _Fetch:
                  src_rank: int, into: Any = None) -> None:
         self.into = into
         parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname or not parts.port:
-            raise CheckpointError(f"checkpoint source address {url!r} is not http://host:port; pass the "
-                                  "source's HTTPTransport.metadata()")
+        if parts.scheme not in ("http", "https") or not parts.hostname or not parts.port:
+            raise CheckpointError(f"checkpoint source address {url!r} is not http://host:port (https:// with TLS); "
+                                  "pass the source's HTTPTransport.metadata()")
+        self.ssl_context = client_ssl_context() if parts.scheme == "https" else None
+        if parts.scheme == "https" and self.ssl_context is None:
+            raise CheckpointError(f"checkpoint source {url} serves TLS but no CA is configured here; set FT_TLS_CA "
+                                  "(or FT_TLS_CERT) to the job's CA certificate")
         self.url, self.host, self.port = url, parts.hostname, parts.port
         self.step, self.timeout_s, self.src_rank = step, timeout_s, src_rank
         self.deadline = time.monotonic() + timeout_s
@@ -425,6 +440,7 @@ class _Fetch:
 
     def connect(self) -> _Connection:
         conn = _Connection(self.host, self.port, timeout=self.remaining())
+        conn.ssl_context = self.ssl_context
         with self.conn_lock:
             if self.aborted.is_set():
                 raise CheckpointError("fetch aborted")

@@ -120,7 +120,7 @@ def bounded_config(out: str) -> ChaosConfig:
     return ChaosConfig(out=out, groups=3, faults=len(FAULT_KINDS), seed=3, duration=230.0, min_replicas=2,
                        timeout=3.0, quorum_timeout=10.0, heartbeat_timeout_ms=2000, join_timeout_ms=1000,
                        interval=1.0, min_progress_steps=3, transport_delay_ms=300.0, transport_drop=0.1,
-                       quiet_steps=10, heal_wait=60.0, stall=60.0)
+                       quiet_steps=10, heal_wait=60.0, stall=90.0)
 
 
 @pytest.mark.timeout(290)
