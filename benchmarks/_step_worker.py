@@ -171,7 +171,10 @@ def _run_lightning(args, ft: bool) -> list[float]:
 
 def _run_accelerate(args, ft: bool) -> list[float]:
     if ft:
-        from ft_lightning.accelerate import FaultTolerancePlugin, FaultTolerantAccelerator
+        from ft_lightning.accelerate import (
+            FaultTolerancePlugin,
+            FaultTolerantAccelerator,
+        )
 
         plugin = FaultTolerancePlugin(lighthouse=args.lighthouse, replica_id=args.rank,
                                       num_replica_groups=args.world_size, min_replica_size=args.world_size,

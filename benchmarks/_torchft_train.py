@@ -17,18 +17,18 @@ import time
 
 STARTED = time.time()  # before the heavy imports: the benchmark splits start-up from the rest
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import logging  # noqa: E402
-import os  # noqa: E402
-import signal  # noqa: E402
-from datetime import timedelta  # noqa: E402
+import argparse
+import json
+import logging
+import os
+import signal
+from datetime import timedelta
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.distributed import TCPStore  # noqa: E402
-from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo  # noqa: E402
-from torchft.checkpointing.http_transport import HTTPTransport  # noqa: E402
+import torch
+import torch.nn.functional as F
+from torch.distributed import TCPStore
+from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+from torchft.checkpointing.http_transport import HTTPTransport
 
 
 class LoopbackHTTPTransport(HTTPTransport):

@@ -110,7 +110,6 @@ def _torchft_restart(workdir: str, repeats: int) -> dict[str, Any]:
 
     from conftest import Processes, child_env
     from ft_harness import read_jsonl, wait_until
-
     from torchft._torchft import LighthouseServer as TorchftLighthouse
 
     os.environ.setdefault("RUST_LOG", "error")
@@ -122,20 +121,20 @@ def _torchft_restart(workdir: str, repeats: int) -> dict[str, Any]:
 
     class TorchftGroup:
         def __init__(self, gid: int) -> None:
-            self.gid, self.incarnation, self.proc, self.spawned_at = gid, 0, None, 0.0
+            self.group_id, self.incarnation, self.proc, self.spawned_at = gid, 0, None, 0.0
             self.kill_file = os.path.join(workdir, f"torchft.g{gid}.kill")
 
         def log(self, incarnation: int | None = None) -> str:
-            return os.path.join(workdir, f"torchft.g{self.gid}.i{incarnation or self.incarnation}.jsonl")
+            return os.path.join(workdir, f"torchft.g{self.group_id}.i{incarnation or self.incarnation}.jsonl")
 
         def start(self) -> None:
             self.incarnation += 1
             if os.path.exists(self.kill_file):
                 os.remove(self.kill_file)
-            out = open(os.path.join(workdir, f"torchft.g{self.gid}.i{self.incarnation}.out"), "w")
+            out = open(os.path.join(workdir, f"torchft.g{self.group_id}.i{self.incarnation}.out"), "w")
             self.spawned_at = time.time()
             self.proc = procs.spawn([sys.executable, script, "--lighthouse", address, "--replica-id",
-                                     f"torchft_{self.gid}", "--step-log", self.log(), "--kill-file", self.kill_file,
+                                     f"torchft_{self.group_id}", "--step-log", self.log(), "--kill-file", self.kill_file,
                                      "--stop-file", stop_file], env=child_env(RUST_LOG="error"), stdout=out,
                                     stderr=subprocess.STDOUT)
 
@@ -146,7 +145,7 @@ def _torchft_restart(workdir: str, repeats: int) -> dict[str, Any]:
             return [r for i in range(1, self.incarnation + 1) for r in self.rows(i) if r.get("event") == "commit"]
 
         def output(self) -> str:
-            with open(os.path.join(workdir, f"torchft.g{self.gid}.i{self.incarnation}.out")) as fh:
+            with open(os.path.join(workdir, f"torchft.g{self.group_id}.i{self.incarnation}.out")) as fh:
                 return fh.read()
 
     samples: list[dict[str, float]] = []

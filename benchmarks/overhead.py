@@ -15,7 +15,6 @@ import tempfile
 
 from benchmarks import _harness, _models
 
-
 # ours (or torchft's) mode -> the plain baseline it is compared with
 BASELINE = {"ft": "ddp", "torchft": "ddp", "lightning_ft": "lightning_ddp", "accelerate_ft": "accelerate_ddp"}
 LABELS = {"ddp": "torch DDP", "ft": "ours, core API", "torchft": "torchft", "lightning_ddp": "Lightning DDP",

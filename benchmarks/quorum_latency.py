@@ -69,7 +69,8 @@ def _start_group(impl: str, replica_id: str, lighthouse_addr: str) -> GroupHandl
         return (lambda step: client.quorum(0, step, "", False, CALL_TIMEOUT).quorum_id,
                 lambda: server._heartbeat.wait_connected(10.0), close)
     os.environ.setdefault("RUST_LOG", "error")
-    from torchft._torchft import ManagerClient as TorchftClient, ManagerServer as TorchftServer
+    from torchft._torchft import ManagerClient as TorchftClient
+    from torchft._torchft import ManagerServer as TorchftServer
 
     ref = TorchftServer(replica_id=replica_id, lighthouse_addr=lighthouse_addr, hostname="127.0.0.1",
                         bind="127.0.0.1:0", store_addr="", world_size=1, heartbeat_interval=timedelta(milliseconds=100),

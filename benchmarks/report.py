@@ -360,7 +360,7 @@ def update_readme(markdown_text: str, readme_path: str) -> None:
                        if os.path.exists(os.path.join(os.path.dirname(readme_path), "results", f"{name}.png")))
     block = f"{README_BEGIN}\n{markdown_text}\n{images}\n{README_END}"
     if README_BEGIN in text and README_END in text:
-        text = re.sub(re.escape(README_BEGIN) + ".*?" + re.escape(README_END), lambda _: block, text, flags=re.S)
+        text = re.sub(re.escape(README_BEGIN) + ".*?" + re.escape(README_END), lambda _: block, text, flags=re.DOTALL)
     else:
         text = text.rstrip() + "\n\n## Latest results\n\n" + block + "\n"
     with open(readme_path, "w") as fh:

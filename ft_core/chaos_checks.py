@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+TRANSFER_KINDS = ("recv_start", "recv_done", "recv_failed")
 LOG_NAME = re.compile(r"^g(?P<group>[^.]+)\.i(?P<incarnation>\d+)\.jsonl$")
 
 
@@ -188,8 +189,8 @@ def heal_fault_outcomes(faults: list[dict[str, Any]], incarnations: list[Incarna
         if kind not in outcomes or not receiver:
             continue
         inc = by_key.get((str(receiver[0]), int(receiver[1])))
-        transfer = [r for r in (inc.records if inc else []) if r.get("kind") in ("recv_start", "recv_done", "recv_failed")
-                    and r.get("step") == fault.get("step")]
+        transfer = [r for r in (inc.records if inc else [])
+                    if r.get("kind") in TRANSFER_KINDS and r.get("step") == fault.get("step")]
         if kind == "kill_heal_receiver":
             label = "mid_transfer" if transfer and transfer[-1]["kind"] == "recv_start" else "after_transfer"
         else:

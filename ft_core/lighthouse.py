@@ -317,7 +317,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=5_000,
                         help="a silent replica is dead after this long")
     parser.add_argument("--token", default=None, help="shared token required on every call (or FT_TOKEN)")
-    parser.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC and HTTP over TLS (or FT_TLS_CERT)")
+    parser.add_argument("--tls-cert", default=None,
+                        help="PEM certificate: serve gRPC and HTTP over TLS (or FT_TLS_CERT)")
     parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert (or FT_TLS_KEY)")
     parser.add_argument("--tls-ca", default=None, help="PEM CA that signed the managers' certificates (or FT_TLS_CA)")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")

@@ -53,6 +53,7 @@ events = logging.getLogger("ft_core.events")
 STORE_PREFIX = "ft_manager"
 _MARGIN_S = 5.0  # on top of a server-side deadline, for the hop back
 _SHUTDOWN_JOIN_S = 5.0  # longest shutdown() waits for one thread it started
+_MAX_SOURCE_CLIENTS = 4  # heal-source manager clients kept open
 
 
 def _nbytes(obj: Any) -> int:
@@ -342,6 +343,8 @@ class Manager:
         address = result.recover_src_manager_address
         client = self._source_clients.get(address)
         if client is None:
+            if len(self._source_clients) >= _MAX_SOURCE_CLIENTS:  # oldest first; an old channel closes at once
+                self._source_clients.pop(next(iter(self._source_clients))).close()
             client = self._source_clients[address] = ManagerClient(address, cfg.connect_timeout, token=cfg.token)
         try:
             metadata = client.checkpoint_metadata(cfg.group_rank, cfg.timeout)

@@ -37,8 +37,9 @@ def status_urls(addr: str | None) -> list[str]:
         host, sep, port = normalize_address(item).rpartition(":")
         if not sep or not port.isdigit():
             raise ConfigError(f"ftl status: {item!r} is not HOST:PORT or http://HOST:PORT")
-        urls.append(f"http://{host}:{port}")
-        urls.append(f"http://{host}:{int(port) + 1}")
+        scheme = "https" if client_ssl_context() is not None else "http"  # a CA configured: the job uses TLS
+        urls.append(f"{scheme}://{host}:{port}")
+        urls.append(f"{scheme}://{host}:{int(port) + 1}")
     if not urls:
         raise ConfigError(f"ftl status: no address in {raw!r}")
     return list(dict.fromkeys(urls))

@@ -29,6 +29,8 @@ from ft_core.lighthouse import DEFAULT_BIND, DEFAULT_HTTP_BIND, LighthouseServer
 from ft_core.lighthouse_client import LighthouseClient
 from ft_core.manager_server import ManagerClient, ManagerServer
 from ft_core.proto import ft_pb2, ft_pb2_grpc
+from ft_core.status import main as status_main
+from ft_core.status import status_urls
 from ft_core.types import QuorumMember
 
 TOKEN = "s3cret-token"
@@ -267,6 +269,8 @@ def test_grpc_over_tls_and_plaintext_clients_are_refused(tls_env):
         assert lighthouse.http_address().startswith("https://") and status == 200 and json.loads(body)["quorum_id"]
         with pytest.raises(OSError):  # plaintext to the https status page: reset or refused, never served
             http(lighthouse.http_address().replace("https://", "http://") + "/status", TOKEN)
+        assert status_main(["--lighthouse", lighthouse.http_address(), "--token", TOKEN, "--json"]) == 0
+        assert status_urls("127.0.0.1:29510")[0] == "https://127.0.0.1:29510"  # a CA is set: the job uses TLS
 
 
 def test_checkpoint_transfer_over_tls(tls_env, monkeypatch):
@@ -314,8 +318,9 @@ def test_training_heals_over_tls_end_to_end(certs, processes, tmp_path):
     def wait(predicate, what: str, timeout: float = 90) -> None:
         deadline = time.monotonic() + timeout
         while not predicate():
+            logs = [tmp_path / f"w{g}.log" for g in (0, 1)]
             assert time.monotonic() < deadline, f"timed out waiting for {what}: " \
-                + "".join((tmp_path / f"w{g}.log").read_text()[-1500:] for g in (0, 1) if (tmp_path / f"w{g}.log").exists())
+                + "".join(log.read_text()[-1500:] for log in logs if log.exists())
             time.sleep(0.1)
 
     first = worker(0)

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from ft_core.chaos import FAULT_KINDS, ChaosConfig, ChaosRun
+from ft_core.chaos_processes import leftovers
 from ft_core.chaos_checks import (Incarnation, LogTail, check_completion, check_digests, check_min_replicas,
                                   check_monotonic, format_steps, heal_fault_outcomes)
 
@@ -100,6 +101,14 @@ def test_log_tail_reads_whole_lines_only(tmp_path):
     with open(path, "ab") as f:
         f.write(b'ep", "step": 2}\n')
     assert tail.read() == [{"kind": "step", "step": 2}]
+
+
+def test_leftover_sweep_finds_a_process_of_the_runs_sessions(processes):
+    proc = processes.python("-c", "import time; time.sleep(60)")  # its own session, id = its pid
+    assert (proc.pid, "python") in [(pid, name[:6]) for pid, name in leftovers({proc.pid})]
+    proc.kill()
+    proc.wait(timeout=10)
+    assert leftovers({proc.pid}) == []
 
 
 @pytest.mark.parametrize("kwargs, message", [

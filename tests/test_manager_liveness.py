@@ -1,0 +1,143 @@
+"""Liveness of the Manager: a SIGKILLed group never stalls the survivors until their timeout, a group
+that skips its collectives releases its peers, and shutdown() leaves no thread or server behind."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+from ft_harness import Group, read_jsonl, stop_all, wait_until
+from test_manager import run_groups
+
+from ft_core import futures as ft_futures
+from ft_core.lighthouse import LighthouseServer
+from ft_core.manager import Manager
+from ft_core.process_group import ProcessGroupGloo
+
+# The default timeout: a survivor stuck in a collective with the dead group would stall for 60 s.
+DEFAULT_TIMEOUT = ["--timeout", "60", "--quorum-timeout", "60", "--step-sleep", "0.02"]
+
+
+def ft_threads() -> set[str]:
+    return {t.name for t in threading.enumerate() if t.name.startswith("ft-") and t.is_alive()}
+
+
+def commits_between(group: Group, start: float, end: float) -> list[dict[str, Any]]:
+    return [c for c in group.commits() if start <= c["time"] <= end]
+
+
+@pytest.mark.timeout(240)
+def test_survivors_never_wait_for_the_timeout_when_a_group_is_sigkilled(processes, tmp_path):
+    """Three groups on Gloo with the 60 s default timeout: kill one at each point of a step. The
+    survivors' longest gap between commits stays under 1 s (acceptance), at the death and at the rejoin."""
+    with LighthouseServer(min_replicas=1, join_timeout_ms=2000) as lighthouse:
+        groups = [Group(processes, str(tmp_path), g, 3, lighthouse.address(),
+                        args=["--steps", "1000000", *DEFAULT_TIMEOUT]) for g in range(3)]
+        for g in groups:
+            g.start()
+        wait_until(lambda: all(len(g.commits()) >= 3 for g in groups), 120, "every group committing", groups)
+        victim, survivors = groups[1], [groups[0], groups[2]]
+        windows = []
+        for point in ("forward", "allreduce", "should_commit"):
+            start = time.time()
+            victim.arm_kill(point)
+            assert victim.wait_exit(60) == -9, victim.output()[-2000:]
+            assert f"during {point}" in victim.output()
+            dead = time.time()
+            wait_until(lambda: all(len(commits_between(g, dead, 1e12)) >= 3 for g in survivors), 30,
+                       f"survivors committing after the kill during {point}", groups)
+            victim.start()
+            wait_until(lambda: len(victim.commits()) >= 3, 120, f"group 1 rejoining after {point}", groups)
+            rejoined = victim.commits()[0]["time"]
+            wait_until(lambda: all(len(commits_between(g, rejoined, 1e12)) >= 3 for g in survivors), 30,
+                       "survivors committing with the rejoined group", groups)
+            windows.append((point, start, time.time()))
+        stop_all(groups)
+
+    for point, start, end in windows:
+        for g in survivors:
+            times = [c["time"] for c in commits_between(g, start, end)]
+            gap = max(b - a for a, b in zip(times, times[1:]))
+            assert gap < 1.0, f"group {g.group_id}: {gap:.2f}s without a commit around the kill during {point}"
+
+
+@pytest.mark.timeout(120)
+def test_a_group_that_skips_its_collectives_releases_its_peers_at_its_failed_commit():
+    """Group 0 fails before its allreduce (report_error); group 1 is left waiting in that allreduce.
+    Group 0's failed commit aborts its process group, so group 1 fails now, not at its 30 s timeout."""
+    timeout = timedelta(seconds=30)
+    group1_done = threading.Event()  # group 0 stays up (its process group open) until then
+    with LighthouseServer(min_replicas=2, join_timeout_ms=5000) as lighthouse:
+
+        def body(manager: Manager, i: int) -> Any:
+            grad = torch.ones(4)
+            for _ in range(2):
+                manager.start_quorum()
+                manager.allreduce(grad).wait()
+                assert manager.should_commit()
+            manager.start_quorum()
+            started = time.monotonic()
+            if i == 0:
+                manager.wait_quorum()
+                manager.report_error(RuntimeError("the loss was NaN; skipping this step's backward"))
+                committed = manager.should_commit()
+                group1_done.wait(timeout.total_seconds() + 10)
+                return committed, time.monotonic() - started
+            manager.allreduce(grad).wait()
+            group1_done.set()
+            return manager.should_commit(), time.monotonic() - started
+
+        results = run_groups(2, lighthouse, body, setup=lambda i: {"pg": ProcessGroupGloo(timeout=timeout)},
+                             timeout=timeout, quorum_timeout=timeout)
+    (committed0, _), (committed1, waited1) = results
+    assert not committed0 and not committed1
+    assert waited1 < timeout.total_seconds() / 3, f"group 1 waited {waited1:.1f}s for a collective group 0 skipped"
+
+
+@pytest.mark.timeout(120)
+def test_shutdown_ends_every_thread_and_server_it_started():
+    """After a heal (manager server handlers, heal-source client, transport, timer all used),
+    Manager.shutdown() + pg.shutdown() leave no ft-* thread alive."""
+    before = ft_threads() - {"ft-timer"}  # e.g. another test's process group still open
+    with LighthouseServer(min_replicas=2, join_timeout_ms=5000) as lighthouse:
+        models = {i: torch.nn.Linear(4, 2) for i in range(2)}
+
+        def setup(i: int) -> dict[str, Any]:
+            return {"load_state_dict": models[i].load_state_dict, "state_dict": models[i].state_dict}
+
+        def body(manager: Manager, i: int) -> int:
+            if i == 0:
+                manager.load_state_dict({"step": 3, "batches_committed": 3})  # group 1 heals from group 0
+            for _ in range(3):
+                manager.start_quorum()
+                manager.allreduce(torch.ones(3)).wait()
+                assert manager.should_commit()
+            return manager.current_step()
+
+        assert run_groups(2, lighthouse, body, setup=setup) == [6, 6]
+    left = ft_threads() - before
+    assert not left, f"threads still alive after shutdown: {sorted(left)}"
+    # the timer comes back on demand
+    fired = threading.Event()
+    ft_futures.schedule(0.01, fired.set)
+    assert fired.wait(5)
+    assert ft_futures.stop_timer_if_idle(5) and "ft-timer" not in ft_threads()
+
+
+@pytest.mark.timeout(120)
+def test_train_ddp_process_exits_within_a_second_of_manager_shutdown(processes, tmp_path):
+    with LighthouseServer(min_replicas=1, join_timeout_ms=1000) as lighthouse:
+        group = Group(processes, str(tmp_path), 0, 1, lighthouse.address(), args=["--steps", "3", "--timeout", "60"])
+        proc = group.start()
+        deadline = time.monotonic() + 90
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        exited = time.time()
+    assert proc.returncode == 0, group.output()[-3000:]
+    shutdown = [r for r in read_jsonl(group.path("steps.jsonl", rank="0")) if r.get("event") == "shutdown"]
+    assert shutdown, group.output()[-3000:]
+    assert exited - shutdown[0]["time"] < 1.0, f"exited {exited - shutdown[0]['time']:.2f}s after shutdown"
