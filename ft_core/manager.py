@@ -17,6 +17,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -66,6 +67,20 @@ def _nbytes(obj: Any) -> int:
     nbytes = getattr(obj, "nbytes", None)
     return int(nbytes) if isinstance(nbytes, int) else 0
 
+
+
+def own_store(host: str, timeout: timedelta) -> dist.TCPStore:
+    """A one-rank group's TCPStore, listening on `host` only (torch's own listener takes every interface)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((host.strip("[]"), 0))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    port = sock.getsockname()[1]
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout,
+                         master_listen_fd=sock.detach())  # the store owns the socket from here on
 
 class Manager:
     """Per-step fault tolerance for one rank of one replica group; see the module docstring."""
@@ -135,8 +150,7 @@ class Manager:
     def _setup_store_and_server(self, cfg: ManagerConfig, store_addr: str | None, store_port: int | None) -> None:
         """Own TCPStore for a one-rank group; else the group's store. Rank 0 hosts the manager server."""
         if cfg.group_world_size == 1 and store_addr is None:
-            self._store = dist.TCPStore(cfg.hostname, 0, is_master=True, wait_for_workers=False,
-                                        timeout=cfg.connect_timeout)
+            self._store = own_store(cfg.hostname, cfg.connect_timeout)
             host, port = cfg.hostname, self._store.port
         else:
             host = store_addr or os.environ.get("MASTER_ADDR")
@@ -307,7 +321,7 @@ class Manager:
                         result.max_step, heal, result.recover_dst_replica_ranks)
         self._emit("quorum", quorum_id=result.quorum_id, replica_rank=result.replica_rank,
                    replica_world_size=result.replica_world_size, num_participants=world, max_step=result.max_step,
-                   heal=heal, seconds=quorum_s, changed=changed)
+                   heal=heal, seconds=quorum_s, changed=changed, replica_ids=list(result.replica_ids))
         if changed:
             store = f"{result.store_address}/ft/{result.quorum_id}/{cfg.group_rank}"
             try:

@@ -27,6 +27,7 @@ from ft_core.checkpointing.http_transport import fetch
 from ft_core.errors import AuthError, CheckpointError, ConfigError
 from ft_core.lighthouse import DEFAULT_BIND, DEFAULT_HTTP_BIND, LighthouseServer
 from ft_core.lighthouse_client import LighthouseClient
+from ft_core.manager import own_store
 from ft_core.manager_server import ManagerClient, ManagerServer
 from ft_core.proto import ft_pb2, ft_pb2_grpc
 from ft_core.status import main as status_main
@@ -173,9 +174,11 @@ def test_every_lighthouse_http_route_and_the_kill_action_need_the_token():
 
 def test_servers_bind_loopback_by_default():
     assert DEFAULT_BIND.startswith("127.0.0.1:") and DEFAULT_HTTP_BIND.startswith("127.0.0.1:")
+    store = own_store("127.0.0.1", STEP)  # the TCPStore a one-rank group's Manager hosts
     with LighthouseServer(min_replicas=1) as lighthouse, ManagerServer("g", lighthouse.address()) as manager, \
             HTTPTransport(timeout=STEP) as transport:
-        addresses = [lighthouse.address(), lighthouse.http_address(), manager.address(), transport.metadata()]
+        addresses = [lighthouse.address(), lighthouse.http_address(), manager.address(), transport.metadata(),
+                     f"127.0.0.1:{store.port}"]
         assert all(rpc.normalize_address(a).startswith("127.0.0.1:") for a in addresses), addresses
         other = outward_address()
         if other is None:
