@@ -148,23 +148,12 @@ class _LighthouseService:
         return _EMPTY
 
     async def HeartbeatStream(self, requests: AsyncIterator[ft_pb2.LighthouseHeartbeatRequest],
-                              context: grpc.aio.ServicerContext) -> None:
-        """Heartbeats, and quorum long polls carried on the stream (each answered by its request_id)."""
+                              context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         token = object()
         replica_id: str | None = None
         why = "broke (connection dropped)"
-        write_lock = asyncio.Lock()
-        polls: set[asyncio.Task] = set()
-
-        async def send(response: bytes) -> None:
-            async with write_lock:
-                await context.write(response)
-
         try:
-            while True:
-                request = await context.read()
-                if request is grpc.aio.EOF:
-                    break
+            async for request in requests:
                 problem = replica_id_problem(request.replica_id)
                 if problem is None and replica_id is not None and request.replica_id != replica_id:
                     problem = f"one replica per stream: opened by {replica_id}, then got {request.replica_id}"
@@ -174,65 +163,13 @@ class _LighthouseService:
                 if replica_id is None:
                     replica_id = request.replica_id
                     self._core.stream_opened(replica_id, token)
-                elif not request.HasField("quorum"):
-                    self._core.heartbeat(replica_id)  # a quorum request's join counts as the heartbeat
-                if request.HasField("quorum"):
-                    task = self._loop.create_task(self._stream_quorum(replica_id, request, send))
-                    polls.add(task)
-                    task.add_done_callback(polls.discard)
-                    continue
-                await send(_EMPTY)
+                else:
+                    self._core.heartbeat(replica_id)
+                yield _EMPTY
             why = "closed by the replica"
         finally:
-            for task in list(polls):  # the replica went away: its pending joins are cancelled
-                task.cancel()
-            if polls:
-                await asyncio.gather(*polls, return_exceptions=True)
             if replica_id is not None:
                 self._core.stream_closed(replica_id, token, why)
-
-    async def _stream_quorum(self, replica_id: str, request: ft_pb2.LighthouseHeartbeatRequest,
-                             send: Callable[[bytes], Awaitable[None]]) -> None:
-        """One quorum long poll of a heartbeat stream, bounded by the request's timeout_ms."""
-        rid = request.request_id
-
-        def failure(code: grpc.StatusCode, message: str) -> bytes:
-            return ft_pb2.LighthouseHeartbeatResponse(request_id=rid, error_code=code.name,
-                                                      error=f"lighthouse Quorum: {message}").SerializeToString()
-
-        member = QuorumMember.from_pb(request.quorum.requester) if request.quorum.HasField("requester") else None
-        problem = member_problem(member)
-        if problem is None and member.replica_id != replica_id:
-            problem = f"a quorum request for {member.replica_id} on the heartbeat stream of {replica_id}"
-        if problem is None and request.timeout_ms <= 0:
-            problem = "missing deadline; send it with timeout_ms > 0 (it is a long poll)"
-        if problem is not None:
-            await send(failure(grpc.StatusCode.INVALID_ARGUMENT, problem))
-            return
-        answered = self._loop.create_future()
-        waiter = Waiter(member, self._waker(answered))
-        self._core.join(waiter)
-        cancelled = False
-        try:
-            if waiter.issued is None:
-                await asyncio.wait((answered,), timeout=request.timeout_ms / 1000.0)
-            if waiter.issued is None:
-                closed = self._core.closed
-                response = failure(grpc.StatusCode.UNAVAILABLE if closed else grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   f"no quorum containing {member.replica_id} "
-                                   + ("(lighthouse shutting down)" if closed else "before the deadline"))
-            else:
-                response = ft_pb2.LighthouseHeartbeatResponse(
-                    request_id=rid, quorum_response=waiter.issued.response()).SerializeToString()
-        except asyncio.CancelledError:  # the stream ended: the replica went away
-            cancelled = True
-            raise
-        finally:
-            self._core.leave(waiter, cancelled=cancelled)
-        try:
-            await send(response)
-        except Exception as exc:  # the stream ended meanwhile; its replica sees the break and falls back
-            logger.debug("quorum answer to %s not sent: %s", replica_id, exc)
 
 
 def split_host_port(addr: str, what: str) -> tuple[str, int]:

@@ -8,9 +8,7 @@ TimeoutError); everything else as `RPCError`/`AuthError` naming the peer, the ca
 
 from __future__ import annotations
 
-import itertools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -36,21 +34,6 @@ CLIENT_CHANNEL_OPTIONS = CHANNEL_OPTIONS + [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 _CONNECTIVITY = {state.value[0]: state for state in grpc.ChannelConnectivity}
-_STOP = object()  # wakes a stream's request generator to end it
-
-
-class StreamUnavailable(RPCError):
-    """The heartbeat stream could not carry a quorum request (not open, or it broke before the answer)."""
-
-
-class _StreamQuorum:
-    """A quorum request sent on a heartbeat stream, waiting for the response with its request_id."""
-
-    __slots__ = ("done", "response")
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.response: ft_pb2.LighthouseHeartbeatResponse | None = None  # None when the stream broke
 
 
 def wait_ready(channel: grpc.Channel, timeout_s: float) -> bool:
@@ -256,9 +239,6 @@ class HeartbeatStreamHandle:
         self._lock = threading.Lock()
         self._call: Any = None
         self._connected = threading.Event()
-        self._outbox: queue.SimpleQueue | None = None  # the open stream's requests to send (guarded by _lock)
-        self._pending: dict[int, _StreamQuorum] = {}  # quorum requests of the open stream (guarded by _lock)
-        self._request_ids = itertools.count(1)
         self.last_error: Exception | None = None
         self._thread = threading.Thread(target=self._run, name=f"ftl-heartbeat-{replica_id}", daemon=True)
 
@@ -303,45 +283,29 @@ class HeartbeatStreamHandle:
         stub = ft_pb2_grpc.LighthouseServiceStub(self._client._channel(addr))
         last_answer = [time.monotonic()]
         request = ft_pb2.LighthouseHeartbeatRequest(replica_id=self.replica_id)
-        outbox: queue.SimpleQueue = queue.SimpleQueue()
 
         def requests() -> Any:
-            yield request
-            next_beat = time.monotonic() + self._interval_s
             while True:
-                try:
-                    item = outbox.get(timeout=max(next_beat - time.monotonic(), 0.0))
-                except queue.Empty:
-                    item = request
-                if item is _STOP or self._stop.is_set():
+                yield request
+                if self._stop.wait(self._interval_s):
                     return
-                if item is request:
-                    if time.monotonic() - last_answer[0] > self._stale_after_s:
-                        logger.warning("lighthouse %s stopped answering %s's heartbeats; reconnecting", addr,
-                                       self.replica_id)
-                        with self._lock:
-                            if self._call is not None:
-                                self._call.cancel()
-                        return
-                    next_beat = time.monotonic() + self._interval_s
-                yield item
+                if time.monotonic() - last_answer[0] > self._stale_after_s:
+                    logger.warning("lighthouse %s stopped answering %s's heartbeats; reconnecting", addr,
+                                   self.replica_id)
+                    with self._lock:
+                        if self._call is not None:
+                            self._call.cancel()
+                    return
 
         stream = stub.HeartbeatStream(requests(), metadata=auth_metadata(self._client._token))
         with self._lock:
             self._call = stream
-            self._outbox = outbox
         if self._stop.is_set():
             stream.cancel()
         answered = False
         try:
-            for response in stream:
+            for _ in stream:
                 last_answer[0] = time.monotonic()
-                if response.request_id:
-                    with self._lock:
-                        waiting = self._pending.pop(response.request_id, None)
-                    if waiting is not None:
-                        waiting.response = response
-                        waiting.done.set()
                 if not answered:
                     answered = True
                     self._connected.set()
@@ -358,60 +322,15 @@ class HeartbeatStreamHandle:
                     self._client._reset(addr)
         finally:
             self._connected.clear()
-            outbox.put(_STOP)
             with self._lock:
                 self._call = None
-                self._outbox = None
-                pending, self._pending = self._pending, {}
-            for waiting in pending.values():  # the stream broke: their callers fall back to a unary call
-                waiting.done.set()
         return answered
-
-    def quorum(self, member: QuorumMember, timeout: timedelta | float) -> Quorum:
-        """Join the next quorum over the open stream and wait (up to `timeout`) for one containing `member`.
-
-        Raises StreamUnavailable when the stream is not open or breaks before the answer (the caller
-        then falls back to LighthouseClient.quorum), FTTimeoutError at the deadline.
-        """
-        timeout_s = seconds(timeout)
-        waiting = _StreamQuorum()
-        with self._lock:
-            outbox = self._outbox if self._connected.is_set() else None
-            if outbox is not None:
-                request_id = next(self._request_ids)
-                self._pending[request_id] = waiting
-        if outbox is None:
-            raise StreamUnavailable(f"heartbeat stream of {self.replica_id} is not open", peer="lighthouse",
-                                    call="LighthouseService.HeartbeatStream", code="UNAVAILABLE")
-        outbox.put(ft_pb2.LighthouseHeartbeatRequest(
-            replica_id=self.replica_id, request_id=request_id, timeout_ms=max(int(timeout_s * 1000), 1),
-            quorum=ft_pb2.LighthouseQuorumRequest(requester=member.to_pb())))
-        if not waiting.done.wait(timeout_s):
-            with self._lock:
-                self._pending.pop(request_id, None)
-            raise FTTimeoutError(f"LighthouseService.Quorum (heartbeat stream of {self.replica_id}) timed out after "
-                                 f"{timeout_s:.3g}s; check the lighthouse status page, min_replicas and join_timeout")
-        response = waiting.response
-        if response is None:
-            raise StreamUnavailable(f"heartbeat stream of {self.replica_id} broke before the quorum answer",
-                                    peer="lighthouse", call="LighthouseService.HeartbeatStream", code="UNAVAILABLE")
-        if response.error_code == "DEADLINE_EXCEEDED":
-            raise FTTimeoutError(f"{response.error} (after {timeout_s:.3g}s)")
-        if response.error_code == "UNAVAILABLE":
-            raise StreamUnavailable(response.error, peer="lighthouse", call="LighthouseService.Quorum",
-                                    code="UNAVAILABLE")
-        if response.error_code:
-            raise RPCError(response.error, peer="lighthouse", call="LighthouseService.Quorum",
-                           code=response.error_code)
-        return Quorum.from_pb(ft_pb2.LighthouseQuorumResponse.FromString(response.quorum_response).quorum)
 
     def stop(self, timeout: timedelta | float = 5.0) -> None:
         """Close the stream and join the thread. Idempotent."""
         self._stop.set()
         with self._lock:
             stream = self._call
-            if self._outbox is not None:
-                self._outbox.put(_STOP)
         if stream is not None:
             stream.cancel()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:

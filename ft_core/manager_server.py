@@ -381,9 +381,6 @@ class ManagerServer:
                 break
             client = None
             try:
-                answer = self._stream_quorum(member, remaining)
-                if answer is not None:
-                    return answer
                 client = self._lighthouse_client()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -406,22 +403,6 @@ class ManagerServer:
                                  f"its min_replicas and join_timeout, or raise the quorum timeout")
         raise RPCError(f"lighthouse quorum for replica group {self.replica_id} failed after {attempts} attempt(s) at "
                        f"{where}: {last}", peer=self._address, call="Quorum", code="UNAVAILABLE")
-
-    def _stream_quorum(self, member: QuorumMember, remaining: float) -> Quorum | None:
-        """The quorum over our open heartbeat stream (one cheap stream message each way), or None when the
-        stream cannot carry it (not open, broke, lighthouse closing): the caller then sends a unary call,
-        which fails over across the lighthouse addresses."""
-        from ft_core.lighthouse_client import StreamUnavailable
-
-        heartbeat = self._heartbeat
-        if heartbeat is None or not heartbeat.connected:
-            return None
-        try:
-            return heartbeat.quorum(member, timeout=remaining)
-        except StreamUnavailable as exc:
-            logger.debug("replica group %s: quorum over the heartbeat stream unavailable (%s); unary call",
-                         self.replica_id, exc)
-            return None
 
     def _lighthouse_client(self) -> Any:
         """The lighthouse client for quorum calls, built on first use and again after a failure."""

@@ -51,28 +51,14 @@ class LighthouseQuorumResponse(_message.Message):
     def __init__(self, quorum: _Optional[_Union[Quorum, _Mapping]] = ...) -> None: ...
 
 class LighthouseHeartbeatRequest(_message.Message):
-    __slots__ = ("replica_id", "request_id", "quorum", "timeout_ms")
+    __slots__ = ("replica_id",)
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    QUORUM_FIELD_NUMBER: _ClassVar[int]
-    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
-    request_id: int
-    quorum: LighthouseQuorumRequest
-    timeout_ms: int
-    def __init__(self, replica_id: _Optional[str] = ..., request_id: _Optional[int] = ..., quorum: _Optional[_Union[LighthouseQuorumRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, replica_id: _Optional[str] = ...) -> None: ...
 
 class LighthouseHeartbeatResponse(_message.Message):
-    __slots__ = ("request_id", "quorum_response", "error_code", "error")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    QUORUM_RESPONSE_FIELD_NUMBER: _ClassVar[int]
-    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
-    ERROR_FIELD_NUMBER: _ClassVar[int]
-    request_id: int
-    quorum_response: bytes
-    error_code: str
-    error: str
-    def __init__(self, request_id: _Optional[int] = ..., quorum_response: _Optional[bytes] = ..., error_code: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class ManagerQuorumRequest(_message.Message):
     __slots__ = ("group_rank", "step", "checkpoint_metadata", "shrink_only", "init_sync", "commit_failures")
