@@ -29,8 +29,9 @@ from ft_core.process_group_base import (
     Deadlines,
     ProcessGroup,
     as_error,
-    check_membership,
+    configure_store_host,
     default_opts,
+    group_label,
     op_result,
 )
 from ft_core.process_group_child import (
@@ -40,7 +41,6 @@ from ft_core.process_group_child import (
     is_loopback,
     new_backend,
     on_completion,
-    parse_store_addr,
 )
 
 logger = logging.getLogger("ft_core.process_group")
@@ -64,11 +64,6 @@ __all__ = [
 
 # Extra seconds wait() allows past the backend's own op timeout before it gives up by itself.
 WAIT_GRACE_S = 1.0
-
-
-def group_label(quorum_id: int | None, replica_id: str, rank: int) -> str:
-    """Group name given to the backend (flight recorder, logs)."""
-    return f"ft_quorum_{quorum_id if quorum_id is not None else 'none'}_replica_{replica_id}_rank_{rank}"
 
 
 class _BackendWork(dist.Work):
@@ -149,11 +144,7 @@ class ProcessGroupWrapper(ProcessGroup):
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
                   quorum_id: int | None = None, group_rank: int | None = None,
                   group_world_size: int | None = None, global_ranks: list[int] | None = None) -> None:
-        check_membership(rank, world_size)
-        try:
-            host, _, _ = parse_store_addr(store_addr)
-        except ValueError as exc:
-            raise ProcessGroupError(str(exc)) from exc
+        host = configure_store_host(store_addr, rank, world_size)
         with self._configure_lock:
             self._drop_backend("reconfigure")
             name = group_label(quorum_id, replica_id, rank)

@@ -30,15 +30,15 @@ from ft_core.errors import ConfigError, FTTimeoutError, ProcessGroupError
 from ft_core.process_group_base import (
     FutureWork,
     ProcessGroup,
-    check_membership,
+    configure_store_host,
     default_opts,
+    group_label,
     op_result,
 )
 from ft_core.process_group_child import (
     ChildSpec,
     is_loopback,
     opts_spec,
-    parse_store_addr,
 )
 from ft_core.process_group_child import main as child_main
 
@@ -270,17 +270,13 @@ class ProcessGroupBaby(ProcessGroup):
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
                   quorum_id: int | None = None, group_rank: int | None = None,
                   group_world_size: int | None = None, global_ranks: list[int] | None = None) -> None:
-        check_membership(rank, world_size)
-        try:
-            host, _, _ = parse_store_addr(store_addr)
-        except ValueError as exc:
-            raise ProcessGroupError(str(exc)) from exc
+        host = configure_store_host(store_addr, rank, world_size)
         self._end_child()
         spec = ChildSpec(
             backend=self.BACKEND, store_addr=store_addr, rank=rank, world_size=world_size,
             timeout_s=self._timeout.total_seconds(), start_timeout_s=self._start_timeout.total_seconds(),
             device=self._child_device(host),
-            group_name=f"ft_quorum_{quorum_id}_replica_{replica_id}_rank_{rank}",
+            group_name=group_label(quorum_id, replica_id, rank),
             global_ranks=tuple(global_ranks) if global_ranks else None)
         owner = f"ft-baby-{self.BACKEND}-r{rank}"
         started = time.monotonic()

@@ -34,7 +34,7 @@ from torch._C._distributed_c10d import ProcessGroup as _C10dProcessGroup
 
 from ft_core.env import resolve_seconds
 from ft_core.errors import FTTimeoutError, ProcessGroupError
-from ft_core.process_group_child import error_kind
+from ft_core.process_group_child import error_kind, parse_store_addr
 
 logger = logging.getLogger("ft_core.process_group")
 
@@ -380,6 +380,21 @@ class ProcessGroup(_C10dProcessGroup):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self._rank}, size={self._world_size}, timeout={self._timeout})"
+
+
+def group_label(quorum_id: int | None, replica_id: str, rank: int) -> str:
+    """Group name given to the backend (flight recorder, logs)."""
+    return f"ft_quorum_{quorum_id if quorum_id is not None else 'none'}_replica_{replica_id}_rank_{rank}"
+
+
+def configure_store_host(store_addr: str, rank: int, world_size: int) -> str:
+    """Validate configure()'s arguments; returns the host of the store at `store_addr`."""
+    check_membership(rank, world_size)
+    try:
+        host, _, _ = parse_store_addr(store_addr)
+    except ValueError as exc:
+        raise ProcessGroupError(str(exc)) from exc
+    return host
 
 
 def check_membership(rank: int, world_size: int) -> None:

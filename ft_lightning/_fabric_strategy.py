@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import atexit
 import logging
-from datetime import timedelta
 from typing import Any
 
 from ft_lightning._common import (
-    FTSettings,
     capture_rng,
     create_manager,
     forget_unscale,
@@ -30,41 +28,23 @@ from ft_lightning._common import (
     restore_rng,
     to_transport,
 )
-from ft_lightning._registration import STRATEGY_NAME
+from ft_lightning._strategy_base import FTStrategyBase
 
 logger = logging.getLogger(__name__)
 
 
-class FaultTolerantFabricMixin:
+class FaultTolerantFabricMixin(FTStrategyBase):
     """Fault tolerance across replica groups for a Fabric `DDPStrategy` (see the module docstring).
 
-    Takes the same fault-tolerance arguments as the Trainer strategy (`lighthouse_addr`,
-    `replica_group_id`, `num_replica_groups`, `replica_id`, `min_replica_size`, `timeout`,
-    `quorum_timeout`, `connect_timeout`, `world_size_mode`, `token`, `cross_group_backend`,
-    `use_async_quorum`, `manager_port`, `manager_kwargs`, `process_group_timeout`), each falling
-    back to its environment variable; other keyword arguments go to Fabric's `DDPStrategy`.
+    Takes the arguments of `FTStrategyBase` (each falling back to its environment variable); other
+    keyword arguments go to Fabric's `DDPStrategy`.
     """
 
-    def __init__(self, lighthouse_addr: str | None = None, *, replica_group_id: int | None = None,
-                 num_replica_groups: int | None = None, replica_id: str | None = None,
-                 min_replica_size: int | None = None, timeout: timedelta | float | None = None,
-                 quorum_timeout: timedelta | float | None = None, connect_timeout: timedelta | float | None = None,
-                 world_size_mode: str | None = None, token: str | None = None,
-                 cross_group_backend: str | None = None, use_async_quorum: bool | None = None,
-                 manager_port: int | None = None, manager_kwargs: dict[str, Any] | None = None,
-                 process_group_timeout: timedelta | None = None, **kwargs: Any) -> None:
-        if process_group_timeout is not None:
-            kwargs["timeout"] = process_group_timeout
-        super().__init__(**kwargs)  # type: ignore[call-arg]
-        self._ft_settings = FTSettings.resolve(
-            lighthouse_addr=lighthouse_addr, replica_id=replica_id, replica_group_id=replica_group_id,
-            num_replica_groups=num_replica_groups, min_replica_size=min_replica_size, timeout=timeout,
-            quorum_timeout=quorum_timeout, connect_timeout=connect_timeout, world_size_mode=world_size_mode,
-            token=token, cross_group_backend=cross_group_backend, use_async_quorum=use_async_quorum,
-            manager_port=manager_port)
-        self._manager_kwargs = dict(manager_kwargs or {})
-        self._manager: Any = None
-        self._manager_live = False
+    MANAGER_MISSING = ("the fault-tolerant Manager is created when Fabric sets up the strategy "
+                       "(fabric.launch()); call it first")
+
+    def __init__(self, lighthouse_addr: str | None = None, **kwargs: Any) -> None:
+        super().__init__(lighthouse_addr, **kwargs)
         self._ft_modules: list[Any] = []
         self._ft_optimizers: list[Any] = []
         self._ft_stateful: dict[str, Any] = {}
@@ -72,25 +52,6 @@ class FaultTolerantFabricMixin:
         self._commit: bool | None = None
         self._rng_at_quorum: dict[str, Any] | None = None
         self.last_step_committed: bool | None = None
-
-    @property
-    def manager(self) -> Any:
-        """This group's `ft_core.Manager` (created in `setup_environment`, i.e. by `fabric.launch()`)."""
-        if self._manager is None:
-            raise RuntimeError("the fault-tolerant Manager is created when Fabric sets up the strategy "
-                               "(fabric.launch()); call it first")
-        return self._manager
-
-    @property
-    def settings(self) -> FTSettings:
-        return self._ft_settings
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if STRATEGY_NAME not in strategy_registry:
-            strategy_registry.register(STRATEGY_NAME, cls,
-                                       description="DDP inside one replica group, fault tolerant across groups "
-                                                   "(ft_lightning)")
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -197,13 +158,8 @@ class FaultTolerantFabricMixin:
     def shutdown(self) -> None:
         """Stop this group's Manager (Fabric has no end-of-run hook: call it when training is done; it
         also runs at interpreter exit). Idempotent; `manager.current_step()` stays readable."""
-        if self._manager is not None and self._manager_live:
-            self._manager_live = False
-            self._quorum_open = False
-            try:
-                self._manager.shutdown()
-            except Exception:
-                logger.exception("ft_lightning: Manager shutdown failed")
+        self._quorum_open = False
+        self._stop_manager()
 
     def teardown(self) -> None:
         self.shutdown()

@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 from ft_lightning import _data, _dirs, _progress
 from ft_lightning._common import (
-    FTSettings,
     capture_rng,
     create_manager,
     forget_unscale,
@@ -32,82 +30,29 @@ from ft_lightning._common import (
     restore_rng,
     to_transport,
 )
-from ft_lightning._registration import STRATEGY_NAME
+from ft_lightning._strategy_base import FTStrategyBase
 
 logger = logging.getLogger(__name__)
 
 
-class FaultTolerantTrainerMixin:
+class FaultTolerantTrainerMixin(FTStrategyBase):
     """Fault tolerance across replica groups for a Lightning `DDPStrategy` (see the module docstring).
 
-    Arguments (each falls back to its environment variable; a set variable wins):
-        lighthouse_addr: FT_LIGHTHOUSE, "host:port" (a comma-separated list fails over).
-        replica_group_id / num_replica_groups: REPLICA_GROUP_ID / NUM_REPLICA_GROUPS; they shard the
-            training data (default 0 of 1).
-        replica_id: the group's name at the lighthouse (default "replica_group_<id>").
-        min_replica_size: FT_MIN_REPLICA_SIZE, fewest groups for a step to commit (default 1).
-        timeout, quorum_timeout, connect_timeout: FT_TIMEOUT_SEC, FT_QUORUM_TIMEOUT_SEC,
-            FT_CONNECT_TIMEOUT_SEC (seconds or timedelta; default 60 s each).
-        world_size_mode: FT_WORLD_SIZE_MODE, "dynamic" or "fixed_with_spares".
-        token: FT_TOKEN, shared secret for every control-plane call and checkpoint fetch.
-        cross_group_backend: FT_BACKEND, "gloo", "nccl" or "auto" (nccl on CUDA, else gloo).
-        use_async_quorum: FT_ASYNC_QUORUM, overlap the quorum with the forward pass (default True).
-        manager_port: port of this group's manager server (FT_MANAGER_PORT; default OS-chosen).
+    Arguments: those of `FTStrategyBase` (each falls back to its FT_* variable), plus
         per_group_dirs: write logs and checkpoints under `replica_group_<id>` (default True).
-        manager_kwargs: any other `ft_core.Manager` argument.
-        process_group_timeout: timeout of Lightning's own (intra-group) process group.
-        **kwargs: passed to Lightning's `DDPStrategy` (accelerator, cluster_environment, ...).
     """
 
-    def __init__(self, lighthouse_addr: str | None = None, *, replica_group_id: int | None = None,
-                 num_replica_groups: int | None = None, replica_id: str | None = None,
-                 min_replica_size: int | None = None, timeout: timedelta | float | None = None,
-                 quorum_timeout: timedelta | float | None = None, connect_timeout: timedelta | float | None = None,
-                 world_size_mode: str | None = None, token: str | None = None,
-                 cross_group_backend: str | None = None, use_async_quorum: bool | None = None,
-                 manager_port: int | None = None, per_group_dirs: bool = True,
-                 manager_kwargs: dict[str, Any] | None = None,
-                 process_group_timeout: timedelta | None = None, **kwargs: Any) -> None:
-        if process_group_timeout is not None:
-            kwargs["timeout"] = process_group_timeout
-        super().__init__(**kwargs)  # type: ignore[call-arg]
-        self._ft_settings = FTSettings.resolve(
-            lighthouse_addr=lighthouse_addr, replica_id=replica_id, replica_group_id=replica_group_id,
-            num_replica_groups=num_replica_groups, min_replica_size=min_replica_size, timeout=timeout,
-            quorum_timeout=quorum_timeout, connect_timeout=connect_timeout, world_size_mode=world_size_mode,
-            token=token, cross_group_backend=cross_group_backend, use_async_quorum=use_async_quorum,
-            manager_port=manager_port)
+    MANAGER_MISSING = ("the fault-tolerant Manager exists once trainer.fit() has set up the strategy "
+                       "(it is created in setup_environment, in every process)")
+
+    def __init__(self, lighthouse_addr: str | None = None, *, per_group_dirs: bool = True, **kwargs: Any) -> None:
+        super().__init__(lighthouse_addr, **kwargs)
         self._per_group_dirs = per_group_dirs
-        self._manager_kwargs = dict(manager_kwargs or {})
-        self._manager: Any = None
-        self._manager_live = False
         self._window_open = False
         self._window_snapshot: dict[str, Any] | None = None
         self._commit: bool | None = None
         self._last_step_applied = True
         self._warned_callbacks: set[str] = set()
-
-    # ---- public -----------------------------------------------------------------------------
-
-    @property
-    def manager(self) -> Any:
-        """This group's `ft_core.Manager` (created when `trainer.fit` sets up; kept after fit ends so
-        `current_step()` can still be read)."""
-        if self._manager is None:
-            raise RuntimeError("the fault-tolerant Manager exists once trainer.fit() has set up the strategy "
-                               "(it is created in setup_environment, in every process)")
-        return self._manager
-
-    @property
-    def settings(self) -> FTSettings:
-        return self._ft_settings
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if STRATEGY_NAME not in strategy_registry:
-            strategy_registry.register(STRATEGY_NAME, cls,
-                                       description="DDP inside one replica group, fault tolerant across groups "
-                                                   "(ft_lightning)")
 
     # ---- set-up -----------------------------------------------------------------------------
 
@@ -282,11 +227,6 @@ class FaultTolerantTrainerMixin:
         return checkpoint
 
     def teardown(self) -> None:
-        if self._manager is not None and self._manager_live:
-            self._manager_live = False
-            self._window_open = False
-            try:
-                self._manager.shutdown()
-            except Exception:  # teardown also runs after failures; the cause is already being raised
-                logger.exception("ft_lightning: Manager shutdown failed")
+        self._window_open = False
+        self._stop_manager()
         super().teardown()  # type: ignore[misc]
