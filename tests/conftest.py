@@ -7,7 +7,10 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -35,6 +38,38 @@ def child_env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(extra)
     return env
+
+
+def run_calls(calls: list[Callable[[], Any]], join_s: float = 20.0) -> list[tuple[Any, float]]:
+    """Run each call in its own named thread (like group ranks calling at once); returns
+    (result or exception, monotonic end time) per call."""
+    out: list[tuple[Any, float]] = [(None, 0.0)] * len(calls)
+
+    def body(i: int) -> None:
+        try:
+            value: Any = calls[i]()
+        except Exception as exc:  # collected and asserted on by the test
+            value = exc
+        out[i] = (value, time.monotonic())
+
+    threads = [threading.Thread(target=body, args=(i,), name=f"test-rank-{i}") for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join_s)
+        assert not t.is_alive(), "a rank's call did not return"
+    return out
+
+
+def communicate_or_interrupt(proc: subprocess.Popen, timeout: float) -> str:
+    """Its output once it exits; past `timeout`, Ctrl-C it first so it ends the groups it started (they
+    live in their own sessions: the fixture's SIGKILL of its process group would not reach them)."""
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=30)[0]
+        raise AssertionError(f"still running after {timeout} s; output:\n{(out or '')[-3000:]}") from None
 
 
 class Processes:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -15,6 +14,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from conftest import run_calls
 
 from ft_core.errors import FTError, FTTimeoutError, RPCError
 from ft_core.lighthouse import LighthouseServer
@@ -46,24 +46,6 @@ class Group:
         self.server.shutdown()
 
 
-def run_ranks(calls: list[Callable[[], Any]], join_s: float = 20.0) -> list[tuple[Any, float]]:
-    """Run each call in its own named thread; (result or exception, monotonic end time) per call."""
-    out: list[tuple[Any, float]] = [(None, 0.0)] * len(calls)
-
-    def body(i: int) -> None:
-        try:
-            value: Any = calls[i]()
-        except Exception as exc:  # collected and asserted on by the test
-            value = exc
-        out[i] = (value, time.monotonic())
-
-    threads = [threading.Thread(target=body, args=(i,), name=f"test-rank-{i}") for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(join_s)
-        assert not t.is_alive(), "a rank's call did not return"
-    return out
 
 
 def quorum_round(groups: list[Group], steps: dict[str, int]) -> dict[str, list[QuorumResult]]:
@@ -74,7 +56,7 @@ def quorum_round(groups: list[Group], steps: dict[str, int]) -> dict[str, list[Q
             calls.append(call)
             owners.append(group.replica_id)
     results: dict[str, list[QuorumResult]] = {g.replica_id: [] for g in groups}
-    for owner, (value, _) in zip(owners, run_ranks(calls)):
+    for owner, (value, _) in zip(owners, run_calls(calls)):
         assert isinstance(value, QuorumResult), f"{owner}: {value!r}"
         results[owner].append(value)
     return results
@@ -193,7 +175,7 @@ def test_lighthouse_down_every_rank_fails_within_its_timeout_and_at_once(stack: 
 
     timeout = timedelta(seconds=2)
     started = time.monotonic()
-    outcomes = run_ranks(group.calls(1, timeout))
+    outcomes = run_calls(group.calls(1, timeout))
     for err, ended in outcomes:
         assert isinstance(err, FTError), err
         assert "lighthouse" in str(err)
@@ -208,7 +190,7 @@ def test_lighthouse_down_with_retries_answers_every_rank_before_its_deadline(sta
     group = start_groups(stack, dead, ["group_a"], quorum_retries=2, connect_timeout=timedelta(seconds=0.3))[0]
     timeout = timedelta(seconds=8)
     started = time.monotonic()
-    outcomes = run_ranks(group.calls(0, timeout))
+    outcomes = run_calls(group.calls(0, timeout))
     for err, ended in outcomes:
         assert isinstance(err, RPCError) and not isinstance(err, FTTimeoutError), err
         assert "after 3 attempt(s)" in str(err) and dead in str(err)

@@ -5,17 +5,22 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import child_env, communicate_or_interrupt
 
-from conftest import child_env
 from ft_core.launch import GroupState
 from ft_lightning.demo import JsonlTail, group_state, stop_margin
-from ft_lightning.demo.report import GroupSeries, build_report, load_series, percentile, write_report
+from ft_lightning.demo.report import (
+    GroupSeries,
+    build_report,
+    load_series,
+    percentile,
+    write_report,
+)
 
 T0 = 1_000.0
 
@@ -183,15 +188,6 @@ def test_tail_returns_whole_lines_only_and_skips_torn_ones(tmp_path):
 
 
 # ----------------------------------------------------------------------------- the real thing
-def _communicate(proc: subprocess.Popen, timeout: float) -> str:
-    """Its output once it exits; past `timeout`, Ctrl-C it first so it ends the groups it started (they
-    live in their own sessions: the fixture's SIGKILL of its process group would not reach them)."""
-    try:
-        return proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)
-        out = proc.communicate(timeout=30)[0]
-        raise AssertionError(f"still running after {timeout} s; output:\n{(out or '')[-3000:]}") from None
 
 
 @pytest.mark.timeout(150)
@@ -200,7 +196,7 @@ def test_demo_survives_failures_and_ends_with_identical_weights(tmp_path, proces
     proc = processes.spawn([sys.executable, "-m", "ft_core.cli", "demo", "--duration", "30", "--kill-every", "7",
                             "--out", str(out)], env=child_env(COLUMNS="120"), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
-    text = _communicate(proc, 130)
+    text = communicate_or_interrupt(proc, 130)
     assert proc.returncode == 0, text[-4000:]
     report = json.loads((out / "report.json").read_text())
     assert report["failures_survived"] >= 2, text[-4000:]

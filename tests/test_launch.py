@@ -12,10 +12,18 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import child_env, communicate_or_interrupt
 
-from conftest import child_env
-from ft_core.launch import (FaultInjector, GroupState, Launcher, choose_victim, describe_exit, group_env,
-                            next_kill_delay, parse_args)
+from ft_core.launch import (
+    FaultInjector,
+    GroupState,
+    Launcher,
+    choose_victim,
+    describe_exit,
+    group_env,
+    next_kill_delay,
+    parse_args,
+)
 
 # A replica group stand-in: prints its identity, spawns a grandchild (to check a kill takes the
 # whole process group), then sleeps `argv[1]` seconds (or $SLEEP_G<group>) and exits `argv[2]` (default 0).
@@ -251,15 +259,6 @@ def _ftl(*args: str) -> list[str]:
     return [sys.executable, "-m", "ft_core.cli", *args]
 
 
-def _communicate(proc: subprocess.Popen, timeout: float) -> str:
-    """Its output once it exits; past `timeout`, Ctrl-C it first so it ends the groups it started (they
-    live in their own sessions: the fixture's SIGKILL of its process group would not reach them)."""
-    try:
-        return proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)
-        out = proc.communicate(timeout=30)[0]
-        raise AssertionError(f"still running after {timeout} s; output:\n{(out or '')[-3000:]}") from None
 
 
 @pytest.mark.timeout(60)
@@ -304,7 +303,7 @@ def test_sigterm_ends_every_group_and_the_exit_code_says_so(sleeper, processes):
         seen |= _descendants(launch.pid)
         time.sleep(0.02)
     launch.send_signal(signal.SIGTERM)
-    out = _communicate(launch, 20)
+    out = communicate_or_interrupt(launch, 20)
     assert launch.returncode == 128 + signal.SIGTERM
     assert _still_running(seen) == set()
     assert "status page: http://127.0.0.1:" in out and "stopped" in out
@@ -350,7 +349,7 @@ def test_no_restart_a_killed_group_is_lost_while_the_survivors_finish_training(t
     launch = processes.spawn(_ftl("launch", "--groups", "3", "--no-restart", "--kill-every", "4", "--max-kills", "1",
                                   "--seed", "5", "--", str(script), "40", "0.05"),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out = _communicate(launch, 50)
+    out = communicate_or_interrupt(launch, 50)
     assert launch.returncode == 1, out[-3000:]
     killed = [line for line in out.splitlines() if "killed: fault injection 1/1" in line]
     assert len(killed) == 1, out[-3000:]

@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 import pytest
+from conftest import run_calls
 
 from ft_core.errors import AuthError, ConfigError, FTTimeoutError, RPCError
 from ft_core.lighthouse import LighthouseServer
@@ -21,24 +22,6 @@ from ft_core.proto import ft_pb2, ft_pb2_grpc
 TIMEOUT = timedelta(seconds=5)
 
 
-def run_ranks(calls: list[Callable[[], Any]], join_s: float = 15.0) -> list[tuple[Any, float]]:
-    """Run each call in its own named thread; return (result or exception, monotonic end time) per call."""
-    out: list[tuple[Any, float]] = [(None, 0.0)] * len(calls)
-
-    def body(i: int) -> None:
-        try:
-            value: Any = calls[i]()
-        except Exception as exc:  # collected and asserted on by the test
-            value = exc
-        out[i] = (value, time.monotonic())
-
-    threads = [threading.Thread(target=body, args=(i,), name=f"test-rank-{i}") for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(join_s)
-        assert not t.is_alive(), "a rank's call did not return"
-    return out
 
 
 @pytest.fixture
@@ -68,7 +51,7 @@ def quorum_calls(clients: list[ManagerClient], steps: list[int], metadata: str =
 def test_every_rank_gets_its_own_plan_from_one_lighthouse_quorum(group: tuple[ManagerServer, list[ManagerClient]]
                                                                  ) -> None:
     server, clients = group
-    results = [r for r, _ in run_ranks(quorum_calls(clients, [3, 3]))]
+    results = [r for r, _ in run_calls(quorum_calls(clients, [3, 3]))]
     assert all(isinstance(r, QuorumResult) for r in results), results
     first, second = results
     assert first.quorum_id == second.quorum_id >= 1
@@ -86,10 +69,10 @@ def test_local_fast_path_and_client_join_the_same_round(group: tuple[ManagerServ
     server, clients = group
     local = lambda: server.quorum_local(0, 2, "local-0", False, TIMEOUT)  # noqa: E731
     remote = lambda: clients[1].quorum(1, 2, "remote-1", False, TIMEOUT)  # noqa: E731
-    (a, _), (b, _) = run_ranks([local, remote])
+    (a, _), (b, _) = run_calls([local, remote])
     assert isinstance(a, QuorumResult) and isinstance(b, QuorumResult)
     assert a.quorum_id == b.quorum_id
-    (x, _), (y, _) = run_ranks([lambda: server.should_commit_local(0, 2, True, TIMEOUT),
+    (x, _), (y, _) = run_calls([lambda: server.should_commit_local(0, 2, True, TIMEOUT),
                                 lambda: clients[1].should_commit(1, 2, True, TIMEOUT)])
     assert x is True and y is True
 
@@ -97,12 +80,12 @@ def test_local_fast_path_and_client_join_the_same_round(group: tuple[ManagerServ
 def test_ranks_reporting_different_steps_all_get_an_error_naming_both(group: tuple[ManagerServer,
                                                                                    list[ManagerClient]]) -> None:
     _, clients = group
-    results = run_ranks(quorum_calls(clients, [4, 5]))
+    results = run_calls(quorum_calls(clients, [4, 5]))
     for err, _ in results:
         assert isinstance(err, RPCError) and err.code == "FAILED_PRECONDITION", err
         assert "step 4" in str(err) and "step 5" in str(err)
     # The group recovers once its ranks agree.
-    assert all(isinstance(r, QuorumResult) for r, _ in run_ranks(quorum_calls(clients, [5, 5])))
+    assert all(isinstance(r, QuorumResult) for r, _ in run_calls(quorum_calls(clients, [5, 5])))
 
 
 def test_a_rank_alone_times_out_naming_the_missing_rank_and_leaves_no_stale_call(
@@ -111,7 +94,7 @@ def test_a_rank_alone_times_out_naming_the_missing_rank_and_leaves_no_stale_call
     with pytest.raises(FTTimeoutError, match=r"group rank\(s\) \[1\]"):
         clients[0].quorum(0, 1, "x", False, timedelta(seconds=1))
     # Had the timed-out call stayed in the round, rank 1 alone would complete it and rank 0's next call would hang.
-    results = run_ranks(quorum_calls(clients, [1, 1]))
+    results = run_calls(quorum_calls(clients, [1, 1]))
     assert all(isinstance(r, QuorumResult) for r, _ in results), results
 
 
@@ -126,7 +109,7 @@ COMMIT_VOTES = [
 def test_should_commit_is_the_and_of_the_group_votes(group: tuple[ManagerServer, list[ManagerClient]],
                                                      votes: list[bool], decision: bool) -> None:
     _, clients = group
-    results = run_ranks([lambda r=r: clients[r].should_commit(r, 7, votes[r], TIMEOUT) for r in range(2)])
+    results = run_calls([lambda r=r: clients[r].should_commit(r, 7, votes[r], TIMEOUT) for r in range(2)])
     assert [r for r, _ in results] == [decision, decision]
 
 
@@ -145,7 +128,7 @@ def test_should_commit_for_another_step_is_an_error_for_every_rank(group: tuple[
     first.join(10)
     assert isinstance(results[0], RPCError) and "step 8" in str(results[0]) and "step 9" in str(results[0])
     # The barrier is usable again afterwards.
-    assert [r for r, _ in run_ranks([lambda r=r: clients[r].should_commit(r, 9, True, TIMEOUT)
+    assert [r for r, _ in run_calls([lambda r=r: clients[r].should_commit(r, 9, True, TIMEOUT)
                                      for r in range(2)])] == [True, True]
 
 
@@ -153,7 +136,7 @@ def test_should_commit_times_out_when_a_rank_never_votes(group: tuple[ManagerSer
     _, clients = group
     with pytest.raises(FTTimeoutError, match=r"group rank\(s\) \[0\] did not vote"):
         clients[1].should_commit(1, 3, True, timedelta(seconds=1))
-    assert [r for r, _ in run_ranks([lambda r=r: clients[r].should_commit(r, 3, False, TIMEOUT)
+    assert [r for r, _ in run_calls([lambda r=r: clients[r].should_commit(r, 3, False, TIMEOUT)
                                      for r in range(2)])] == [False, False]
 
 
@@ -194,7 +177,7 @@ def test_malformed_requests_are_invalid_argument_and_the_server_keeps_serving(
     with pytest.raises(RPCError, match=message) as info:
         bad_call(clients[0])
     assert info.value.code == "INVALID_ARGUMENT"
-    assert all(isinstance(r, QuorumResult) for r, _ in run_ranks(quorum_calls(clients, [0, 0])))
+    assert all(isinstance(r, QuorumResult) for r, _ in run_calls(quorum_calls(clients, [0, 0])))
 
 
 def test_checkpoint_metadata_of_a_rank_that_never_called_quorum_is_not_found(
@@ -232,7 +215,7 @@ def test_kill_is_refused_without_a_token(group: tuple[ManagerServer, list[Manage
     with pytest.raises(RPCError, match="Kill refused") as info:
         clients[0].kill("please", TIMEOUT)
     assert info.value.code == "PERMISSION_DENIED"
-    assert all(isinstance(r, QuorumResult) for r, _ in run_ranks(quorum_calls(clients, [0, 0])))
+    assert all(isinstance(r, QuorumResult) for r, _ in run_calls(quorum_calls(clients, [0, 0])))
 
 
 KILL_CHILD = """
