@@ -264,10 +264,9 @@ class Manager:
                      timeout: timedelta | float | None = None) -> None:
         """Start this step's quorum (returns at once in async mode; sync mode also heals now)."""
         if self._quorum_future is not None:
-            try:
-                self._quorum_future.result()
-            except Exception:  # already surfaced through wait_quorum/should_commit, or irrelevant now
-                pass
+            previous = self._finished_quorum(self._quorum_future)
+            if previous is not None:  # normally already raised by should_commit(); a new step starts clean
+                logger.info("%s previous quorum had failed: %s", self._prefix(), previous)
         with self._error_lock:
             self._errored = None
             self._pg_broken = False
@@ -288,11 +287,17 @@ class Manager:
         if fut is None:
             raise FTError(f"{self._prefix()} wait_quorum before start_quorum: call start_quorum() first "
                           f"(OptimizerWrapper.zero_grad does)")
+        error = self._finished_quorum(fut)
+        if error is not None:
+            raise error  # the quorum's own error (e.g. the lighthouse's FTTimeoutError), unchanged
+
+    def _finished_quorum(self, fut: concurrent.futures.Future) -> BaseException | None:
+        """Wait (bounded) for a quorum thread's run to end; its error, or None."""
         bound = self._quorum_timeout_s + 3 * self.config.timeout.total_seconds() + _MARGIN_S
         done, _ = concurrent.futures.wait([fut], timeout=bound)
         if not done:
             raise FTTimeoutError(f"{self._prefix()} quorum (and healing) did not finish within {bound:.3g}s")
-        fut.result()  # the quorum's own error (e.g. the lighthouse's FTTimeoutError), unchanged
+        return fut.exception()
 
     def _quorum_call(self, shrink_only: bool, timeout_s: float) -> QuorumResult:
         cfg = self.config
