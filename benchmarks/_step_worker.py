@@ -55,7 +55,7 @@ def run_ft(args) -> list[float]:
     from ft_core.ddp import DistributedDataParallel
     from ft_core.manager import Manager
     from ft_core.optim import OptimizerWrapper
-    from ft_core.process_group import ProcessGroupGloo
+    from ft_core.process_groups import ProcessGroupGloo
 
     manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=30)), min_replica_size=args.world_size,
                       lighthouse_addr=args.lighthouse, replica_id=f"bench_{args.rank}", rank=0, world_size=1,

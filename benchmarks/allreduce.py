@@ -46,7 +46,7 @@ def _worker(store_addr: str, rank: int, sizes: list[int], quick: bool) -> None:
     import torch.distributed as dist
     from torch._C._distributed_c10d import PrefixStore, ReduceOp, TCPStore
 
-    from ft_core.process_group import ProcessGroupBabyGloo, ProcessGroupGloo
+    from ft_core.process_groups import ProcessGroupBabyGloo, ProcessGroupGloo
 
     torch.set_num_threads(1)
     host, port = store_addr.rsplit(":", 1)

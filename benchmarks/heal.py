@@ -44,7 +44,7 @@ def _restart_once(workdir: str, repeats: int) -> dict[str, Any]:
     from conftest import Processes
     from ft_harness import Group, commit_gaps, stop_all, wait_until
 
-    from ft_core.lighthouse import LighthouseServer
+    from ft_core.control.lighthouse import LighthouseServer
 
     procs = Processes()
     samples: list[dict[str, float]] = []
@@ -195,9 +195,9 @@ def _vote_cost(quick: bool) -> dict[str, Any]:
 
     import torch
 
-    from ft_core.lighthouse import LighthouseServer
+    from ft_core.control.lighthouse import LighthouseServer
     from ft_core.manager import Manager
-    from ft_core.process_group import ProcessGroupGloo
+    from ft_core.process_groups import ProcessGroupGloo
 
     steps = 50 if quick else 300
     costs: dict[int, list[float]] = {0: [], 1: []}

@@ -35,7 +35,7 @@ def _run_mode(mode: str, model: str, steps: int, warmup: int, tmp: str) -> float
             port = _harness.free_port()
             extra = [["--master-port", str(port)]] * 2
         elif mode in ("ft", "lightning_ft", "accelerate_ft"):
-            from ft_core.lighthouse import LighthouseServer
+            from ft_core.control.lighthouse import LighthouseServer
 
             lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=10_000)
             extra = [["--lighthouse", lighthouse.address()]] * 2

@@ -39,7 +39,7 @@ GroupHandle = tuple[Callable[[int], int], Callable[[], None], Callable[[], None]
 def _start_lighthouse(impl: str) -> tuple[str, Callable[[], None], Callable[[str], bool]]:
     """(address, shutdown, is_waiting(replica_id)) of a lighthouse of implementation `impl`."""
     if impl == "ft_core":
-        from ft_core.lighthouse import LighthouseServer
+        from ft_core.control.lighthouse import LighthouseServer
 
         server = LighthouseServer(min_replicas=1, join_timeout_ms=30_000, http_bind=None)
 
@@ -57,7 +57,7 @@ def _start_lighthouse(impl: str) -> tuple[str, Callable[[], None], Callable[[str
 
 def _start_group(impl: str, replica_id: str, lighthouse_addr: str) -> GroupHandle:
     if impl == "ft_core":
-        from ft_core.manager_server import ManagerClient, ManagerServer
+        from ft_core.control.manager_server import ManagerClient, ManagerServer
 
         server = ManagerServer(replica_id, lighthouse_addr, world_size=1)
         client = ManagerClient(server.address())

@@ -40,7 +40,7 @@ from ft_core.data import DistributedSampler  # noqa: E402
 from ft_core.ddp import DistributedDataParallel  # noqa: E402
 from ft_core.manager import Manager, WorldSizeMode  # noqa: E402
 from ft_core.optim import OptimizerWrapper  # noqa: E402
-from ft_core.process_group import ProcessGroupGloo  # noqa: E402
+from ft_core.process_groups import ProcessGroupGloo  # noqa: E402
 
 KILL_POINTS = ("forward", "allreduce", "should_commit", "send_checkpoint")
 

@@ -17,9 +17,17 @@ _EXPORTS = {
     "DistributedDataParallel": "ft_core.ddp",
     "OptimizerWrapper": "ft_core.optim",
     "DistributedSampler": "ft_core.data",
-    "LighthouseServer": "ft_core.lighthouse",
-    "ManagerServer": "ft_core.manager_server",
-    "ManagerClient": "ft_core.manager_server",
+    "LighthouseServer": "ft_core.control.lighthouse",
+    "LighthouseClient": "ft_core.control.lighthouse_client",
+    "ManagerServer": "ft_core.control.manager_server",
+    "ManagerClient": "ft_core.control.manager_client",
+    "HTTPTransport": "ft_core.checkpointing",
+    "PGTransport": "ft_core.checkpointing",
+    "ProcessGroupGloo": "ft_core.process_groups",
+    "ProcessGroupNCCL": "ft_core.process_groups",
+    "ProcessGroupXCCL": "ft_core.process_groups",
+    "ProcessGroupBabyGloo": "ft_core.process_groups",
+    "ProcessGroupBabyNCCL": "ft_core.process_groups",
 }
 
 __all__ = sorted(_EXPORTS)

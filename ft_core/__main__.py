@@ -1,3 +1,3 @@
-from ft_core.cli import main
+from ft_core.tools.cli import main
 
 raise SystemExit(main())

@@ -263,7 +263,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         if intra_group_pg is None:
             intra_group_pg = _default_intra_group_pg()
         if intra_group_pg is None:
-            from ft_core.process_group import ProcessGroupDummy
+            from ft_core.process_groups import ProcessGroupDummy
 
             process_group: Any = ProcessGroupDummy()
         else:

@@ -44,7 +44,7 @@ from ft_core.manager_config import (
     resolve_config,
     vote_world_size,
 )
-from ft_core.recovery import QuorumResult
+from ft_core.control.recovery import QuorumResult
 
 __all__ = ["Manager", "ManagerConfig", "WorldSizeMode", "participation", "resolve_config"]
 
@@ -163,7 +163,7 @@ class Manager:
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"{STORE_PREFIX}/{restart}", self._store)
         if cfg.group_rank == 0:
-            from ft_core.manager_server import ManagerServer
+            from ft_core.control.manager_server import ManagerServer
 
             self._replica_id = cfg.replica_id
             self._server = ManagerServer(self._replica_id, cfg.lighthouse_addr, hostname=cfg.hostname,
@@ -174,7 +174,7 @@ class Manager:
             store.set("replica_id", self._replica_id)
             store.set("manager_addr", self._server.address())
         else:
-            from ft_core.manager_client import ManagerClient
+            from ft_core.control.manager_client import ManagerClient
 
             try:
                 store.wait(["manager_addr", "replica_id"], cfg.connect_timeout)
@@ -355,7 +355,7 @@ class Manager:
                 self.report_error(exc)
 
     def _fetch_checkpoint(self, result: QuorumResult) -> None:
-        from ft_core.manager_client import ManagerClient
+        from ft_core.control.manager_client import ManagerClient
 
         cfg = self.config
         started = time.perf_counter()

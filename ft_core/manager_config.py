@@ -12,7 +12,7 @@ from typing import Any
 
 from ft_core.env import resolve_int, resolve_seconds, resolve_str
 from ft_core.errors import ConfigError
-from ft_core.recovery import QuorumResult
+from ft_core.control.recovery import QuorumResult
 
 __all__ = ["ManagerConfig", "WorldSizeMode", "env_int", "participation", "resolve_config", "vote_world_size"]
 

@@ -118,7 +118,7 @@ def create_manager(settings: FTSettings, *, group_rank: int, group_world_size: i
                    extra: dict[str, Any] | None = None) -> Any:
     """A Manager for this rank of the replica group, with a cross-group process group of the chosen backend."""
     from ft_core.manager import Manager, WorldSizeMode
-    from ft_core.process_group import ProcessGroupGloo, ProcessGroupNCCL
+    from ft_core.process_groups import ProcessGroupGloo, ProcessGroupNCCL
 
     backend = cross_group_backend(settings, device)
     pg = ProcessGroupNCCL(timeout=settings.timeout) if backend == "nccl" else ProcessGroupGloo(timeout=settings.timeout)

@@ -1,4 +1,4 @@
-"""Regenerate ft_core/proto/ft_pb2*.py from ft.proto (needs grpcio-tools; run from any directory).
+"""Regenerate ft_core/control/proto/ft_pb2*.py from ft.proto (needs grpcio-tools; run from any directory).
 
 `python scripts/gen_proto.py --check` exits non-zero when the committed stubs differ.
 """
@@ -11,7 +11,7 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PROTO_DIR = ROOT / "ft_core" / "proto"
+PROTO_DIR = ROOT / "ft_core" / "control" / "proto"
 OUTPUTS = ("ft_pb2.py", "ft_pb2.pyi", "ft_pb2_grpc.py")
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ft_core.lighthouse import LighthouseServer
+from ft_core.control.lighthouse import LighthouseServer
 from ft_lightning.accelerate import cli
 from ft_lightning.accelerate.plugin import SETTINGS
 

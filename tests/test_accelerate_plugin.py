@@ -193,13 +193,13 @@ def test_settings_travel_as_environment_variables_the_plugin_reads_back(clean_en
 def test_config_command_writes_flags_and_launch_help_lists_them(tmp_path):
     path = tmp_path / "ft.yaml"
     env = child_env(HF_HOME=str(tmp_path / "hf"))
-    run = subprocess.run([sys.executable, "-m", "ft_core.cli", "accelerate", "config", "--config-file", str(path),
+    run = subprocess.run([sys.executable, "-m", "ft_core.tools.cli", "accelerate", "config", "--config-file", str(path),
                           "--lighthouse", LH, "--num-replica-groups", "2", "--async-quorum", "false"],
                          env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
                          check=False)
     assert run.returncode == 0, run.stderr
     assert load_config(str(path)) == {"lighthouse": LH, "num_replica_groups": 2, "async_quorum": False}
-    bad = subprocess.run([sys.executable, "-m", "ft_core.cli", "accelerate", "config", "--config-file", str(path),
+    bad = subprocess.run([sys.executable, "-m", "ft_core.tools.cli", "accelerate", "config", "--config-file", str(path),
                           "--timeout", "-3"], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
                          stdin=subprocess.DEVNULL, check=False)
     assert bad.returncode == 2 and "timeout" in bad.stderr
@@ -245,7 +245,7 @@ def accelerator_factory(clean_env):
     """Builds FaultTolerantAccelerators against a loopback lighthouse; shuts them and Accelerate's state down."""
     from accelerate.state import AcceleratorState, GradientState
 
-    from ft_core.lighthouse import LighthouseServer
+    from ft_core.control.lighthouse import LighthouseServer
     from ft_lightning.accelerate import FaultTolerantAccelerator
 
     made = []

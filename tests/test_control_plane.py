@@ -17,8 +17,8 @@ import pytest
 from conftest import run_calls
 
 from ft_core.errors import FTError, FTTimeoutError, RPCError
-from ft_core.lighthouse import LighthouseServer
-from ft_core.manager_server import ManagerClient, ManagerServer, QuorumResult
+from ft_core.control.lighthouse import LighthouseServer
+from ft_core.control.manager_server import ManagerClient, ManagerServer, QuorumResult
 
 ROUND_TIMEOUT = timedelta(seconds=5)
 SLACK_S = 1.0  # scheduling slack on a busy 2-core machine, on top of every bound the spec states
@@ -242,7 +242,7 @@ CHILD_MANAGER = """
 import sys, time
 from datetime import timedelta
 from ft_core.errors import FTError
-from ft_core.manager_server import ManagerServer
+from ft_core.control.manager_server import ManagerServer
 
 server = ManagerServer(sys.argv[2], sys.argv[1], world_size=1)
 assert server.wait_heartbeat_connected(20), "heartbeat stream never connected"

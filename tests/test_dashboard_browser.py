@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from ft_core.lighthouse import LighthouseServer
-from ft_core.lighthouse_client import LighthouseClient
-from ft_core.types import QuorumMember
+from ft_core.control.lighthouse import LighthouseServer
+from ft_core.control.lighthouse_client import LighthouseClient
+from ft_core.control.types import QuorumMember
 
 CHROMIUM = "/usr/bin/chromium"
 websocket = pytest.importorskip("websocket", reason="pip install websocket-client to drive Chromium over DevTools")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import child_env, communicate_or_interrupt
 
-from ft_core.launch import GroupState
+from ft_core.tools.launch_command import GroupState
 from ft_lightning.demo import JsonlTail, group_state, stop_margin
 from ft_lightning.demo.report import (
     GroupSeries,
@@ -193,7 +193,7 @@ def test_tail_returns_whole_lines_only_and_skips_torn_ones(tmp_path):
 @pytest.mark.timeout(150)
 def test_demo_survives_failures_and_ends_with_identical_weights(tmp_path, processes):
     out = tmp_path / "demo"
-    proc = processes.spawn([sys.executable, "-m", "ft_core.cli", "demo", "--duration", "30", "--kill-every", "7",
+    proc = processes.spawn([sys.executable, "-m", "ft_core.tools.cli", "demo", "--duration", "30", "--kill-every", "7",
                             "--out", str(out)], env=child_env(COLUMNS="120"), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
     text = communicate_or_interrupt(proc, 130)

@@ -29,7 +29,7 @@ def logs(out) -> str:
 
 @pytest.mark.timeout(150)
 def test_fabric_killed_group_heals_to_identical_weights(processes, tmp_path):
-    from ft_core.lighthouse import LighthouseServer
+    from ft_core.control.lighthouse import LighthouseServer
 
     with LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=2_000, heartbeat_timeout_ms=2_000,
                           http_bind=None) as lighthouse:

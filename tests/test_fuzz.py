@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 
 from ft_core.checkpointing import HTTPTransport
 from ft_core.checkpointing.http_transport import fetch
-from ft_core.lighthouse import LighthouseServer
-from ft_core.manager_server import ManagerServer
-from ft_core.proto import ft_pb2, ft_pb2_grpc
+from ft_core.control.lighthouse import LighthouseServer
+from ft_core.control.manager_server import ManagerServer
+from ft_core.control.proto import ft_pb2, ft_pb2_grpc
 
 EXAMPLES = int(os.environ.get("FT_FUZZ_EXAMPLES", "150"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=False,

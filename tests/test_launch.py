@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import child_env, communicate_or_interrupt
 
-from ft_core.launch import (
+from ft_core.tools.launch_command import (
     FaultInjector,
     GroupState,
     Launcher,
@@ -256,7 +256,7 @@ def _still_running(procs: set[tuple[int, str]]) -> set[tuple[int, str]]:
 
 
 def _ftl(*args: str) -> list[str]:
-    return [sys.executable, "-m", "ft_core.cli", *args]
+    return [sys.executable, "-m", "ft_core.tools.cli", *args]
 
 
 
@@ -317,7 +317,7 @@ TRAINER = textwrap.dedent("""
     from datetime import timedelta
     import torch
     from ft_core import Manager
-    from ft_core.process_group import ProcessGroupGloo
+    from ft_core.process_groups import ProcessGroupGloo
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

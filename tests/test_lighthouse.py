@@ -18,12 +18,12 @@ from datetime import timedelta
 import pytest
 from conftest import child_env
 
-from ft_core import status as status_cli
+from ft_core.tools import status as status_cli
 from ft_core.errors import AuthError, FTTimeoutError, RPCError
-from ft_core.lighthouse import LighthouseServer
-from ft_core.lighthouse_client import LighthouseClient
-from ft_core.lighthouse_core import LighthouseConfig, LighthouseCore, Waiter
-from ft_core.types import Quorum, QuorumMember
+from ft_core.control.lighthouse import LighthouseServer
+from ft_core.control.lighthouse_client import LighthouseClient
+from ft_core.control.lighthouse_state import LighthouseConfig, LighthouseCore, Waiter
+from ft_core.control.types import Quorum, QuorumMember
 
 SECOND = timedelta(seconds=1)
 
@@ -34,9 +34,9 @@ import os, sys, threading, time
 from concurrent import futures
 from datetime import timedelta
 import grpc
-from ft_core.lighthouse_client import LighthouseClient
-from ft_core.proto import ft_pb2, ft_pb2_grpc
-from ft_core.types import QuorumMember
+from ft_core.control.lighthouse_client import LighthouseClient
+from ft_core.control.proto import ft_pb2, ft_pb2_grpc
+from ft_core.control.types import QuorumMember
 
 lighthouse, replica_id, step = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
@@ -294,8 +294,8 @@ def test_sigkilled_member_is_excluded_in_under_a_second(processes) -> None:
 CHILD_NO_STREAM = r"""
 import sys
 from datetime import timedelta
-from ft_core.lighthouse_client import LighthouseClient
-from ft_core.types import QuorumMember
+from ft_core.control.lighthouse_client import LighthouseClient
+from ft_core.control.types import QuorumMember
 
 client = LighthouseClient(sys.argv[1])
 print("CALLING", flush=True)
@@ -435,7 +435,7 @@ def test_lighthouse_down_fails_within_the_timeout() -> None:
 
 @pytest.mark.timeout(60)
 def test_cli_lighthouse_serves_and_exits_cleanly_on_sigterm(processes) -> None:
-    proc = processes.python("-m", "ft_core.cli", "lighthouse", "--bind", "127.0.0.1:0", "--http-bind",
+    proc = processes.python("-m", "ft_core.tools.cli", "lighthouse", "--bind", "127.0.0.1:0", "--http-bind",
                             "127.0.0.1:0", "--heartbeat-timeout-ms", "500", stderr=subprocess.PIPE, text=True,
                             env=child_env(COLUMNS="250"))
     address = http = None

@@ -1,5 +1,5 @@
 """Lighthouse failover with real processes: two `ftl lighthouse` processes (active + standby), two
-replica groups of ft_core.chaos_worker given both addresses. SIGKILL the active lighthouse: no
+replica groups of ft_core.tools.chaos_worker given both addresses. SIGKILL the active lighthouse: no
 committed step is lost, quorum ids never go backward, training resumes within 2x heartbeat timeout."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import time
 import pytest
 from conftest import child_env
 
-from ft_core.chaos_checks import check_digests, check_monotonic, read_run
-from ft_core.launcher import free_port
+from ft_core.tools.chaos_checks import check_digests, check_monotonic, read_run
+from ft_core.tools.launcher import free_port
 
 HEARTBEAT_TIMEOUT_S = 3.0
 
@@ -66,7 +66,7 @@ def test_killing_the_active_lighthouse_fails_over_to_the_standby(processes, tmp_
     for group in range(2):
         env = child_env(FT_LIGHTHOUSE=addresses, REPLICA_GROUP_ID=str(group), FT_RESTART_COUNT="0", FT_TOKEN=TOKEN)
         with open(tmp_path / f"worker{group}.log", "wb") as wlog:
-            workers.append(processes.python("-m", "ft_core.chaos_worker", "--out", out, "--min-replicas", "2",
+            workers.append(processes.python("-m", "ft_core.tools.chaos_worker", "--out", out, "--min-replicas", "2",
                                             "--timeout", "5", "--quorum-timeout", "30", "--step-sleep", "0.05",
                                             env=env, stdout=wlog, stderr=wlog))
     wait_for(lambda: len(steps(out)) == 2 and all(len(rows) >= 10 for rows in steps(out).values()), 120,

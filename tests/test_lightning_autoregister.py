@@ -51,7 +51,7 @@ USER_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.timeout(120)
 def test_autoregister_makes_the_name_work_without_import(processes, tmp_path):
-    from ft_core.lighthouse import LighthouseServer
+    from ft_core.control.lighthouse import LighthouseServer
 
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=False).create(env_dir)

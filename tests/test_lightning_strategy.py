@@ -182,7 +182,7 @@ def test_forget_unscale_lets_a_skipped_step_unscale_again():
 
 @pytest.fixture
 def lighthouse():
-    from ft_core.lighthouse import LighthouseServer
+    from ft_core.control.lighthouse import LighthouseServer
 
     # min_replicas=2: a step needs both groups, so a killed group's peer waits for its restart
     with LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=2_000, heartbeat_timeout_ms=2_000,

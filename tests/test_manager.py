@@ -14,9 +14,9 @@ import torch
 from torch.distributed import ReduceOp
 
 from ft_core.errors import CommitError, ConfigError
-from ft_core.lighthouse import LighthouseServer
+from ft_core.control.lighthouse import LighthouseServer
 from ft_core.manager import Manager
-from ft_core.process_group import FakeProcessGroupWrapper, ProcessGroupGloo
+from ft_core.process_groups import FakeProcessGroupWrapper, ProcessGroupGloo
 
 TIMEOUT = timedelta(seconds=10)
 

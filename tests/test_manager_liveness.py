@@ -15,9 +15,9 @@ from ft_harness import Group, read_jsonl, stop_all, wait_until
 from test_manager import run_groups
 
 from ft_core import futures as ft_futures
-from ft_core.lighthouse import LighthouseServer
+from ft_core.control.lighthouse import LighthouseServer
 from ft_core.manager import Manager
-from ft_core.process_group import ProcessGroupGloo
+from ft_core.process_groups import ProcessGroupGloo
 
 # The default timeout: a survivor stuck in a collective with the dead group would stall for 60 s.
 DEFAULT_TIMEOUT = ["--timeout", "60", "--quorum-timeout", "60", "--step-sleep", "0.02"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from ft_harness import Group, check_step_digests, commit_gaps, stop_all, wait_until
 
-from ft_core.lighthouse import LighthouseServer
+from ft_core.control.lighthouse import LighthouseServer
 
 FAST = ["--timeout", "5", "--quorum-timeout", "20", "--step-sleep", "0.02"]
 

@@ -13,7 +13,7 @@ from ft_core.data import DistributedSampler, global_shard
 from ft_core.ddp import canonical_chunks, reducer_parameters
 from ft_core.errors import ConfigError, FTTimeoutError
 from ft_core.manager import WorldSizeMode, participation, resolve_config
-from ft_core.recovery import QuorumResult
+from ft_core.control.recovery import QuorumResult
 
 D, F = WorldSizeMode.DYNAMIC, WorldSizeMode.FIXED_WITH_SPARES
 

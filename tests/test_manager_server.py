@@ -15,9 +15,9 @@ import pytest
 from conftest import run_calls
 
 from ft_core.errors import AuthError, ConfigError, FTTimeoutError, RPCError
-from ft_core.lighthouse import LighthouseServer
-from ft_core.manager_server import ManagerClient, ManagerServer, QuorumResult
-from ft_core.proto import ft_pb2, ft_pb2_grpc
+from ft_core.control.lighthouse import LighthouseServer
+from ft_core.control.manager_server import ManagerClient, ManagerServer, QuorumResult
+from ft_core.control.proto import ft_pb2, ft_pb2_grpc
 
 TIMEOUT = timedelta(seconds=5)
 
@@ -220,7 +220,7 @@ def test_kill_is_refused_without_a_token(group: tuple[ManagerServer, list[Manage
 
 KILL_CHILD = """
 import sys, time
-from ft_core.manager_server import ManagerServer
+from ft_core.control.manager_server import ManagerServer
 server = ManagerServer("victim", sys.argv[1], world_size=1, token="s3cret")
 print(server.address(), flush=True)
 time.sleep(60)

@@ -21,7 +21,7 @@ from test_process_group_helpers import (
 from torch._C._distributed_c10d import ReduceOp, TCPStore
 
 from ft_core.errors import ConfigError, FTTimeoutError, ProcessGroupError
-from ft_core.process_group import (
+from ft_core.process_groups import (
     ErrorSwallowingProcessGroupWrapper,
     FakeProcessGroupWrapper,
     ManagedProcessGroup,
@@ -30,7 +30,7 @@ from ft_core.process_group import (
     ProcessGroupDummy,
     ProcessGroupGloo,
 )
-from ft_core.process_group_child import is_timeout_message, parse_store_addr
+from ft_core.process_groups.child import is_timeout_message, parse_store_addr
 
 GROUP_TYPES = [ProcessGroupGloo, ProcessGroupBabyGloo]
 

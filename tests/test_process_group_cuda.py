@@ -12,7 +12,7 @@ from test_process_group_helpers import run_ranks
 from torch._C._distributed_c10d import ReduceOp, TCPStore
 
 from ft_core.errors import FTTimeoutError
-from ft_core.process_group import ProcessGroupBabyNCCL, ProcessGroupNCCL
+from ft_core.process_groups import ProcessGroupBabyNCCL, ProcessGroupNCCL
 
 CUDA = torch.cuda.is_available()
 GPUS = torch.cuda.device_count() if CUDA else 0

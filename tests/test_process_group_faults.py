@@ -19,7 +19,7 @@ def worker(store_addr: str, rank: int, world: int, cls_name: str) -> None:
     import torch
     from torch._C._distributed_c10d import ReduceOp, TCPStore
 
-    import ft_core.process_group as pgs
+    import ft_core.process_groups as pgs
 
     torch.set_num_threads(1)
     host, rest = store_addr.split(":", 1)

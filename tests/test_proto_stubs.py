@@ -1,4 +1,4 @@
-"""The committed protobuf/gRPC stubs match ft_core/proto/ft.proto (regenerate: python scripts/gen_proto.py)."""
+"""The committed protobuf/gRPC stubs match ft_core/control/proto/ft.proto (regenerate: python scripts/gen_proto.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def test_committed_stubs_match_the_proto() -> None:
 
 
 def test_stubs_expose_the_services_of_the_design() -> None:
-    from ft_core.proto import ft_pb2, ft_pb2_grpc
+    from ft_core.control.proto import ft_pb2, ft_pb2_grpc
 
     lighthouse = ft_pb2.DESCRIPTOR.services_by_name["LighthouseService"]
     assert [m.name for m in lighthouse.methods] == ["Quorum", "Heartbeat", "HeartbeatStream"]

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from ft_core.quorum import (
+from ft_core.control.quorum import (
     MAX_DATA_BYTES,
     Joined,
     LighthouseState,
@@ -17,7 +17,7 @@ from ft_core.quorum import (
     prune_heartbeats,
     replica_id_problem,
 )
-from ft_core.types import Quorum, QuorumMember
+from ft_core.control.types import Quorum, QuorumMember
 
 NOW = 1000.0
 

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ft_core.errors import QuorumError
-from ft_core.recovery import QuorumResult, compute_recovery_plan
-from ft_core.types import Quorum, QuorumMember
+from ft_core.control.recovery import QuorumResult, compute_recovery_plan
+from ft_core.control.types import Quorum, QuorumMember
 
 
 def make_quorum(steps: list[int], quorum_id: int = 7, commit_failures: list[int] | None = None,

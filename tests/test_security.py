@@ -21,18 +21,18 @@ import pytest
 import torch
 from conftest import child_env
 
-from ft_core import rpc
+from ft_core.control import rpc
 from ft_core.checkpointing import HTTPTransport
 from ft_core.checkpointing.http_transport import fetch
 from ft_core.errors import AuthError, CheckpointError, ConfigError
-from ft_core.lighthouse import DEFAULT_BIND, DEFAULT_HTTP_BIND, LighthouseServer
-from ft_core.lighthouse_client import LighthouseClient
+from ft_core.control.lighthouse import DEFAULT_BIND, DEFAULT_HTTP_BIND, LighthouseServer
+from ft_core.control.lighthouse_client import LighthouseClient
 from ft_core.manager import own_store
-from ft_core.manager_server import ManagerClient, ManagerServer
-from ft_core.proto import ft_pb2, ft_pb2_grpc
-from ft_core.status import main as status_main
-from ft_core.status import status_urls
-from ft_core.types import QuorumMember
+from ft_core.control.manager_server import ManagerClient, ManagerServer
+from ft_core.control.proto import ft_pb2, ft_pb2_grpc
+from ft_core.tools.status import main as status_main
+from ft_core.tools.status import status_urls
+from ft_core.control.types import QuorumMember
 
 TOKEN = "s3cret-token"
 STEP = timedelta(seconds=5)
@@ -110,8 +110,8 @@ def test_every_manager_grpc_method_needs_the_token():
 
 KILLABLE = """
 import sys, time
-from ft_core.lighthouse import LighthouseServer
-from ft_core.manager_server import ManagerServer
+from ft_core.control.lighthouse import LighthouseServer
+from ft_core.control.manager_server import ManagerServer
 lighthouse = LighthouseServer(min_replicas=1, http_bind=None)
 server = ManagerServer("victim", lighthouse.address(), world_size=1)
 print(server.address(), flush=True)
@@ -299,21 +299,21 @@ def test_checkpoint_transfer_over_tls(tls_env, monkeypatch):
 def test_training_heals_over_tls_end_to_end(certs, processes, tmp_path):
     """A TLS lighthouse process and two groups with FT_TLS_* set: the late group heals over https."""
     env = {**certs, "FT_TOKEN": TOKEN}
-    from ft_core.launcher import free_port
+    from ft_core.tools.launcher import free_port
 
     port = free_port()
     processes.python("-m", "ft_core", "lighthouse", "--bind", f"127.0.0.1:{port}", "--http-bind", "off",
                      "--join-timeout-ms", "500", env=child_env(**env), stdout=subprocess.DEVNULL,
                      stderr=subprocess.DEVNULL)
     out = str(tmp_path)
-    args = ["-m", "ft_core.chaos_worker", "--out", out, "--min-replicas", "1", "--timeout", "10"]
+    args = ["-m", "ft_core.tools.chaos_worker", "--out", out, "--min-replicas", "1", "--timeout", "10"]
 
     def worker(group: int):
         return processes.python(*args, env=child_env(FT_LIGHTHOUSE=f"127.0.0.1:{port}", REPLICA_GROUP_ID=str(group),
                                                      FT_RESTART_COUNT="0", **env),
                                 stdout=open(tmp_path / f"w{group}.log", "wb"), stderr=subprocess.STDOUT)
 
-    from ft_core.chaos_checks import check_digests, read_run
+    from ft_core.tools.chaos_checks import check_digests, read_run
 
     def records(group: int) -> list[dict]:
         return next((inc.records for inc in read_run(out) if inc.group == str(group)), [])
@@ -342,7 +342,7 @@ def test_idle_http_connections_are_closed_by_the_servers():
     """A client that connects and says nothing does not hold a server thread forever."""
     with LighthouseServer(min_replicas=1, http_bind="127.0.0.1:0") as lighthouse, \
             HTTPTransport(timeout=timedelta(seconds=1)) as transport:
-        from ft_core.lighthouse_http import _Handler
+        from ft_core.control.lighthouse_http import _Handler
 
         assert _Handler.timeout and _Handler.timeout <= 60
         port = int(transport.metadata().rsplit(":", 1)[1])

@@ -38,7 +38,7 @@ from ft_core.checkpointing import serialization as ser
 from ft_core.checkpointing.transport import CheckpointTransport, seconds
 from ft_core.env import resolve_str
 from ft_core.errors import AuthError, CheckpointError, FTTimeoutError
-from ft_core.rpc import backoff_delays, client_ssl_context, server_ssl_context, tls_config
+from ft_core.control.rpc import backoff_delays, client_ssl_context, server_ssl_context, tls_config
 
 logger = logging.getLogger(__name__)
 

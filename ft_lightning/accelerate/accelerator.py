@@ -28,7 +28,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
 from ft_core.errors import ConfigError
-from ft_core.process_group_wrappers import ProcessGroupDelegate
+from ft_core.process_groups.wrappers import ProcessGroupDelegate
 from ft_lightning.accelerate.plugin import FaultTolerancePlugin
 from ft_lightning.accelerate.state import check_transport_safe, load_rng_state, rng_state
 
@@ -127,7 +127,7 @@ class FaultTolerantAccelerator(Accelerator):
 
     def _create_process_group(self) -> Any:
         """The cross-group process group the Manager reconfigures on each quorum change (counted)."""
-        from ft_core import process_group
+        from ft_core.process_groups import backends as process_group
 
         timeout = self.ft.timedelta("timeout")
         if self._cross_group_backend() == "nccl":

@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ft_core.launch import FaultInjector, GroupState, LaunchEvent, Launcher, StopSignals, start_lighthouse, status_url
+from ft_core.tools.launch_command import FaultInjector, GroupState, LaunchEvent, Launcher, StopSignals, start_lighthouse, status_url
 from ft_lightning.demo.display import DemoView, GroupRow, LiveDisplay
 from ft_lightning.demo.report import (GroupSeries, build_report, failure_outcomes, load_series, parse_lines,
                                       step_times, write_report)

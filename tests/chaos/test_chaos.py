@@ -1,5 +1,5 @@
 """Chaos: seeded fault schedules against a real job (lighthouse child process, 3 replica groups of
-ft_core.chaos_worker under the Launcher), then the checks of ft_core.chaos_checks.
+ft_core.tools.chaos_worker under the Launcher), then the checks of ft_core.tools.chaos_checks.
 
 The bounded variant runs in CI (one fault of each kind); the long one (`ftl chaos`, 200 faults) is
 marked slow and runs only with FT_RUN_SLOW=1. The rules themselves are table-tested here too.
@@ -14,9 +14,9 @@ import sys
 
 import pytest
 
-from ft_core.chaos import FAULT_KINDS, ChaosConfig, ChaosRun
-from ft_core.chaos_processes import leftovers
-from ft_core.chaos_checks import (Incarnation, LogTail, check_completion, check_digests, check_min_replicas,
+from ft_core.tools.chaos import FAULT_KINDS, ChaosConfig, ChaosRun
+from ft_core.tools.chaos_processes import leftovers
+from ft_core.tools.chaos_checks import (Incarnation, LogTail, check_completion, check_digests, check_min_replicas,
                                   check_monotonic, format_steps, heal_fault_outcomes)
 
 

@@ -1,6 +1,6 @@
 """What a chaos run must never violate, as pure functions over the workers' JSON records.
 
-Each worker incarnation (ft_core.chaos_worker) writes `g<group>.i<incarnation>.jsonl`. `read_run`
+Each worker incarnation (ft_core.tools.chaos_worker) writes `g<group>.i<incarnation>.jsonl`. `read_run`
 loads them into `Incarnation`s; `check_run` returns every broken promise as a sentence:
 - every group that committed step s holds the same digest for s (so do all participants of s);
 - committed steps strictly increase within an incarnation, and quorum ids never go backward;

@@ -34,9 +34,9 @@ from torch._C._distributed_c10d import ProcessGroup as _C10dProcessGroup
 
 from ft_core.env import resolve_seconds
 from ft_core.errors import FTTimeoutError, ProcessGroupError
-from ft_core.process_group_child import error_kind, parse_store_addr
+from ft_core.process_groups.child import error_kind, parse_store_addr
 
-logger = logging.getLogger("ft_core.process_group")
+logger = logging.getLogger("ft_core.process_groups")
 
 DEFAULT_TIMEOUT = timedelta(seconds=60)
 COLLECTIVES = ("allreduce", "allreduce_coalesced", "allgather", "allgather_into_tensor_coalesced",

@@ -1,7 +1,7 @@
 """The lighthouse's HTTP side: status page, /status JSON, /metrics, and the dashboard's Kill.
 
 Routes (all on the lighthouse's --http-bind address):
-- `GET /`: the status page (ft_core/static/dashboard.html, no external assets; it polls /status).
+- `GET /`: the status page (ft_core/control/static/dashboard.html, no external assets; it polls /status).
 - `GET /status`: JSON picture of the quorum, the members and the live "why no quorum yet" reason.
 - `GET /metrics`: Prometheus text from a per-server registry.
 - `POST /replica/<replica_id>/kill`: calls that replica's ManagerService.Kill.
@@ -26,8 +26,8 @@ import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ft_core.errors import ConfigError, FTError, RPCError
-from ft_core.proto import ft_pb2, ft_pb2_grpc
-from ft_core.rpc import CHANNEL_OPTIONS, call, normalize_address, open_channel, server_ssl_context, token_matches
+from ft_core.control.proto import ft_pb2, ft_pb2_grpc
+from ft_core.control.rpc import CHANNEL_OPTIONS, call, normalize_address, open_channel, server_ssl_context, token_matches
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ class StatusHTTPServer:
     """Serves the routes above from a named thread; `shutdown()` stops it."""
 
     def __init__(self, bind: str, core: Any, metrics: LighthouseMetrics, token: str | None) -> None:
-        from ft_core.lighthouse import client_host, split_host_port
+        from ft_core.control.lighthouse import client_host, split_host_port
 
         host, port = split_host_port(bind, "lighthouse HTTP bind address")
         try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ft_core.proto import ft_pb2
+from ft_core.control.proto import ft_pb2
 
 
 @dataclass(frozen=True)

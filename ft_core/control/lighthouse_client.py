@@ -19,10 +19,10 @@ import grpc
 
 from ft_core.env import resolve_str
 from ft_core.errors import ConfigError, FTTimeoutError, RPCError
-from ft_core.proto import ft_pb2, ft_pb2_grpc
-from ft_core.rpc import (CHANNEL_OPTIONS, auth_metadata, backoff_delays, call, map_rpc_error, open_channel, seconds,
+from ft_core.control.proto import ft_pb2, ft_pb2_grpc
+from ft_core.control.rpc import (CHANNEL_OPTIONS, auth_metadata, backoff_delays, call, map_rpc_error, open_channel, seconds,
                          split_addresses)
-from ft_core.types import Quorum, QuorumMember
+from ft_core.control.types import Quorum, QuorumMember
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The lighthouse's quorum decision (DESIGN.md section 5) as pure functions of (state, now).
 
-The gRPC/HTTP shell in `ft_core.lighthouse` keeps the state and calls `decide()` on every
+The gRPC/HTTP shell in `ft_core.control.lighthouse` keeps the state and calls `decide()` on every
 Quorum call, every heartbeat change and every tick; nothing here touches threads, clocks or
 the network, so every rule is covered by table tests (tests/test_quorum_rules.py).
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from ft_core.types import Quorum, QuorumMember
+from ft_core.control.types import Quorum, QuorumMember
 
 MAX_DATA_BYTES = 64 * 1024  # user JSON carried in QuorumMember.data
 MAX_FIELD_CHARS = 1024  # replica_id, address, store_address

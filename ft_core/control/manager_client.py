@@ -9,11 +9,11 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from ft_core import rpc
+from ft_core.control import rpc
 from ft_core.env import resolve_str
 from ft_core.errors import ConfigError
-from ft_core.proto import ft_pb2, ft_pb2_grpc
-from ft_core.recovery import QuorumResult
+from ft_core.control.proto import ft_pb2, ft_pb2_grpc
+from ft_core.control.recovery import QuorumResult
 
 __all__ = ["ManagerClient", "result_from_pb", "result_to_pb"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ft_core.errors import QuorumError
-from ft_core.types import Quorum, QuorumMember
+from ft_core.control.types import Quorum, QuorumMember
 
 
 @dataclass(frozen=True)

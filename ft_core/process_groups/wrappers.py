@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ft_core.errors import ProcessGroupError
-from ft_core.process_group_base import (
+from ft_core.process_groups.base import (
     CompletedWork,
     FutureWork,
     ProcessGroup,
@@ -22,7 +22,7 @@ from ft_core.process_group_base import (
     op_result,
 )
 
-logger = logging.getLogger("ft_core.process_group")
+logger = logging.getLogger("ft_core.process_groups")
 
 
 def call_collective(pg: ProcessGroup, name: str, args: tuple, opts: Any) -> dist.Work:

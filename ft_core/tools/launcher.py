@@ -5,7 +5,7 @@ group also takes whatever the rank spawned. A rank is never reaped before its pr
 been signalled: while we hold it unreaped its pid, and so its process group id, cannot be reused
 by another process, which makes every signal we send land on our own processes.
 
-Used by `ftl launch` (ft_core/launch.py), `ftl demo` and chaos runs.
+Used by `ftl launch` (ft_core/tools/launch_command.py), `ftl demo` and chaos runs.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ DEFAULT_RES_OPTIONS = "timeout:1 attempts:1"
 
 
 class FailureSource(Protocol):
-    """Anything that may kill groups on a schedule (ft_core.launch.FaultInjector, a chaos plan)."""
+    """Anything that may kill groups on a schedule (ft_core.tools.launch_command.FaultInjector, a chaos plan)."""
 
     def tick(self, launcher: Launcher, now: float | None = None) -> Any: ...
 

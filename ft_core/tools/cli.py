@@ -9,12 +9,12 @@ import importlib
 import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "lighthouse": ("ft_core.lighthouse", "run the quorum server (one per job)"),
-    "launch": ("ft_core.launch", "run N replica groups on this machine, with restarts and fault injection"),
-    "status": ("ft_core.status", "show the lighthouse's quorum and members"),
+    "lighthouse": ("ft_core.control.lighthouse", "run the quorum server (one per job)"),
+    "launch": ("ft_core.tools.launch_command", "run N replica groups on this machine, with restarts and fault injection"),
+    "status": ("ft_core.tools.status", "show the lighthouse's quorum and members"),
     "demo": ("ft_lightning.demo", "the whole story on one machine: train, kill, heal, report"),
     "accelerate": ("ft_lightning.accelerate.cli", "`ftl accelerate config|launch` for Hugging Face Accelerate"),
-    "chaos": ("ft_core.chaos", "seeded random fault schedules against a real training job"),
+    "chaos": ("ft_core.tools.chaos", "seeded random fault schedules against a real training job"),
 }
 
 

@@ -1,4 +1,4 @@
-"""The lighthouse's state, and the shell that feeds it to the pure quorum decision (ft_core.quorum).
+"""The lighthouse's state, and the shell that feeds it to the pure quorum decision (ft_core.control.quorum).
 
 Thread-safe and free of I/O: the gRPC service and the HTTP status server call into it. Every input
 (a Quorum call joining or leaving, a heartbeat, a heartbeat stream opening or breaking, a tick)
@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ft_core.errors import ConfigError
-from ft_core.proto import ft_pb2
-from ft_core.quorum import Joined, LighthouseState, QuorumConfig, decide, healthy_replicas, prune_heartbeats
-from ft_core.types import Quorum, QuorumMember
+from ft_core.control.proto import ft_pb2
+from ft_core.control.quorum import Joined, LighthouseState, QuorumConfig, decide, healthy_replicas, prune_heartbeats
+from ft_core.control.types import Quorum, QuorumMember
 
-logger = logging.getLogger("ft_core.lighthouse")
+logger = logging.getLogger("ft_core.control.lighthouse")
 
 PRUNE_AFTER_TIMEOUTS = 10  # forget a heartbeat this many heartbeat_timeouts after it expired
 

@@ -1,7 +1,7 @@
 """`ftl chaos`: a seeded random fault schedule against a real training job, then a verdict.
 
 The job: a lighthouse child process (`ftl lighthouse`, so it can be killed and restarted on the same
-port) and N replica groups of `ft_core.chaos_worker` run by the `Launcher` (restarted when they die).
+port) and N replica groups of `ft_core.tools.chaos_worker` run by the `Launcher` (restarted when they die).
 The schedule (seeded; times depend on the machine) draws faults from:
 - kill: SIGKILL a training group at a random point of its step;
 - hang: SIGSTOP a group for longer than the timeouts, then SIGCONT it;
@@ -11,7 +11,7 @@ The schedule (seeded; times depend on the machine) draws faults from:
 Throughout, each group's checkpoint server delays every request and drops some (chaos transport).
 Faults wait until the job has made progress since the last one and leave min_replicas groups up.
 After the last fault the job trains `quiet_steps` more steps, the harness writes the exit file and
-checks the records (ft_core.chaos_checks) and that no process is left behind.
+checks the records (ft_core.tools.chaos_checks) and that no process is left behind.
 
     ftl chaos --groups 3 --faults 200 --seed 1 --out chaos-run
 """
@@ -33,10 +33,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from ft_core.chaos_checks import LogTail, check_run, heal_fault_outcomes, heal_stats, read_run
-from ft_core.chaos_processes import LighthouseProcess, leftovers
-from ft_core.chaos_worker import EXIT_FILE
-from ft_core.launcher import GroupState, LaunchEvent, Launcher, StopSignals
+from ft_core.tools.chaos_checks import LogTail, check_run, heal_fault_outcomes, heal_stats, read_run
+from ft_core.tools.chaos_processes import LighthouseProcess, leftovers
+from ft_core.tools.chaos_worker import EXIT_FILE
+from ft_core.tools.launcher import GroupState, LaunchEvent, Launcher, StopSignals
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ class ChaosRun:
         self.next_fault_at = 0.0
         self.started = time.monotonic()
         self.lighthouse = LighthouseProcess(cfg, os.path.join(cfg.out, "lighthouse.log"))
-        worker = [sys.executable, "-m", "ft_core.chaos_worker", "--out", cfg.out,
+        worker = [sys.executable, "-m", "ft_core.tools.chaos_worker", "--out", cfg.out,
                   "--min-replicas", str(cfg.min_replicas), "--timeout", str(cfg.timeout),
                   "--quorum-timeout", str(cfg.quorum_timeout), "--seed", str(cfg.seed),
                   "--step-sleep", str(cfg.step_sleep), "--transport-delay-ms", str(cfg.transport_delay_ms),

@@ -1,9 +1,9 @@
 """One replica group of a chaos run (`ftl chaos`): a small Manager + DDP loop that logs everything the
 harness checks, one JSON line at a time (flushed, since the process may be SIGKILLed at any instant).
 
-    python -m ft_core.chaos_worker --out DIR [--min-replicas 2 --timeout 5 ...]
+    python -m ft_core.tools.chaos_worker --out DIR [--min-replicas 2 --timeout 5 ...]
 
-Run by `ft_core.chaos` through the Launcher (REPLICA_GROUP_ID, FT_RESTART_COUNT, FT_LIGHTHOUSE and
+Run by `ft_core.tools.chaos` through the Launcher (REPLICA_GROUP_ID, FT_RESTART_COUNT, FT_LIGHTHOUSE and
 FT_TOKEN come from the environment). Each incarnation writes DIR/g<group>.i<incarnation>.jsonl with
 records keyed by "kind":
 - "ready": the process is up (replica_id, pid).
@@ -44,7 +44,7 @@ from ft_core.ddp import DistributedDataParallel
 from ft_core.errors import FTError
 from ft_core.manager import Manager, WorldSizeMode
 from ft_core.optim import OptimizerWrapper
-from ft_core.process_group import ProcessGroupGloo
+from ft_core.process_groups import ProcessGroupGloo
 
 EXIT_FILE = "exit"
 
@@ -155,7 +155,7 @@ def exit_step(path: str) -> int | float:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m ft_core.chaos_worker", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m ft_core.tools.chaos_worker", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder shared with the harness (logs, exit file)")
     p.add_argument("--min-replicas", type=int, default=2)

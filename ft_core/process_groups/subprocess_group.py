@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ft_core.env import resolve_seconds, resolve_str
 from ft_core.errors import ConfigError, FTTimeoutError, ProcessGroupError
-from ft_core.process_group_base import (
+from ft_core.process_groups.base import (
     FutureWork,
     ProcessGroup,
     configure_store_host,
@@ -35,14 +35,14 @@ from ft_core.process_group_base import (
     group_label,
     op_result,
 )
-from ft_core.process_group_child import (
+from ft_core.process_groups.child import (
     ChildSpec,
     is_loopback,
     opts_spec,
 )
-from ft_core.process_group_child import main as child_main
+from ft_core.process_groups.child import main as child_main
 
-logger = logging.getLogger("ft_core.process_group")
+logger = logging.getLogger("ft_core.process_groups")
 
 DEFAULT_START_TIMEOUT = timedelta(seconds=60)
 # How children start. Both give a fresh interpreter (never a fork of the trainer with its threads
@@ -79,7 +79,7 @@ class _Child:
             # Children fork from a server that already imported torch and our child module, so a
             # reconfigure costs milliseconds rather than a torch import. (Takes effect when the
             # server first starts; the server itself is a fresh interpreter, never a fork of ours.)
-            ctx.set_forkserver_preload(["ft_core.process_group_child"])
+            ctx.set_forkserver_preload(["ft_core.process_groups.child"])
         self.owner = owner
         self._req_recv, self._req_send = ctx.Pipe(duplex=False)
         self._rep_recv, self._rep_send = ctx.Pipe(duplex=False)

@@ -1,6 +1,6 @@
 """`ftl launch`: run N replica groups on this machine, restart the ones that die, inject failures.
 
-The process management lives in `ft_core.launcher.Launcher`; this module adds the seeded failure
+The process management lives in `ft_core.tools.launcher.Launcher`; this module adds the seeded failure
 schedule (`FaultInjector`, also used by `ftl demo` and chaos runs) and the command line.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ft_core.launcher import (LOOPBACK, GroupState, GroupStatus, LaunchEvent, Launcher, StopSignals, describe_exit,
+from ft_core.tools.launcher import (LOOPBACK, GroupState, GroupStatus, LaunchEvent, Launcher, StopSignals, describe_exit,
                               free_port, group_env)
 
 __all__ = ["FaultInjector", "GroupState", "GroupStatus", "KillRecord", "LaunchEvent", "Launcher", "StopSignals",
@@ -172,7 +172,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def start_lighthouse(min_replicas: int, token: str | None, join_timeout_ms: int | None = None,
                      heartbeat_timeout_ms: int | None = None) -> Any:
     """An embedded lighthouse on loopback, port chosen by the OS (caller owns `.shutdown()`)."""
-    from ft_core.lighthouse import LighthouseServer
+    from ft_core.control.lighthouse import LighthouseServer
 
     kwargs: dict[str, Any] = {"bind": f"{LOOPBACK}:0", "min_replicas": min_replicas, "token": token}
     if join_timeout_ms is not None:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from typing import Any
 
-from ft_core.launcher import free_port
+from ft_core.tools.launcher import free_port
 
 
 class LighthouseProcess:

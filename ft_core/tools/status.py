@@ -18,7 +18,7 @@ from http.client import HTTPException
 from typing import Any
 
 from ft_core.errors import AuthError, ConfigError, RPCError
-from ft_core.rpc import client_ssl_context, normalize_address
+from ft_core.control.rpc import client_ssl_context, normalize_address
 
 DEFAULT_STATUS_URL = "http://127.0.0.1:29511"
 

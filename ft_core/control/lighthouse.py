@@ -1,0 +1,360 @@
+"""The lighthouse: one per job, it decides each step which replica groups train together.
+
+A thin shell around `ft_core.control.quorum.decide`: `LighthouseCore` (ft_core.control.lighthouse_state) holds the
+state and re-decides on every input; this module serves it over gRPC (grpc.aio on one event loop
+in a named thread, so hundreds of open heartbeat streams and long polls cost no thread each) and
+over HTTP (ft_core.control.lighthouse_http: status page, /status JSON, /metrics).
+
+Liveness: a Quorum call or a Heartbeat counts as a heartbeat; a HeartbeatStream keeps a member
+alive while it is open and declares it dead at once when it breaks or closes (a dead process
+drops its connection), so survivors do not wait heartbeat_timeout for a quorum without it.
+heartbeat_timeout still bounds a member that is alive but silent (hung, partitioned).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from ft_core.env import resolve_str
+from ft_core.errors import ConfigError
+from ft_core.control.lighthouse_state import LighthouseConfig, LighthouseCore, Waiter
+from ft_core.control.proto import ft_pb2
+from ft_core.control.quorum import member_problem, replica_id_problem
+from ft_core.control.rpc import SERVER_OPTIONS, add_server_port, normalize_address, token_matches
+from ft_core.control.types import QuorumMember
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_BIND", "DEFAULT_HTTP_BIND", "LighthouseServer", "main"]
+
+DEFAULT_BIND = "127.0.0.1:29510"
+DEFAULT_HTTP_BIND = "127.0.0.1:29511"
+SERVICE = "ftl.LighthouseService"
+_EMPTY = ft_pb2.LighthouseHeartbeatResponse().SerializeToString()
+_UNAUTHENTICATED = "missing or wrong token: set FT_TOKEN (or token=) to the job's shared token"
+
+
+def _raw(response: bytes) -> bytes:
+    return response
+
+
+class AsyncTokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """grpc.aio twin of ft_core.control.rpc.TokenAuthInterceptor: a missing or wrong token gets UNAUTHENTICATED."""
+
+    def __init__(self, token: str | None) -> None:
+        self._token = token
+
+        async def deny_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED)
+
+        async def deny_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED)
+            yield _EMPTY  # pragma: no cover - abort raises; this only makes it an async generator
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny_unary)
+        self._deny_stream = grpc.stream_stream_rpc_method_handler(deny_stream)
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+                                handler_call_details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(handler_call_details)
+        if token_matches(self._token, handler_call_details.invocation_metadata):
+            return handler
+        return self._deny_stream if handler is not None and handler.request_streaming else self._deny_unary
+
+
+class _LighthouseService:
+    """gRPC shell: validate, hand to the core, wait for the answer within the caller's deadline.
+
+    Runs on the server's event loop. Responses leave as bytes: a quorum is serialized once for
+    all its participants.
+    """
+
+    def __init__(self, core: LighthouseCore, loop: asyncio.AbstractEventLoop) -> None:
+        self._core = core
+        self._loop = loop
+        self._loop_thread = threading.get_ident()  # built by _start(), on the loop's own thread
+
+    def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
+        """The service's method handlers (as ft_pb2_grpc registers them, with pass-through serializers)."""
+        request = ft_pb2.LighthouseHeartbeatRequest.FromString
+        return {
+            "Quorum": grpc.unary_unary_rpc_method_handler(
+                self.Quorum, request_deserializer=ft_pb2.LighthouseQuorumRequest.FromString,
+                response_serializer=_raw),
+            "Heartbeat": grpc.unary_unary_rpc_method_handler(
+                self.Heartbeat, request_deserializer=request, response_serializer=_raw),
+            "HeartbeatStream": grpc.stream_stream_rpc_method_handler(
+                self.HeartbeatStream, request_deserializer=request, response_serializer=_raw),
+        }
+
+    def _waker(self, answered: asyncio.Future) -> Callable[[], None]:
+        """Wake `answered` from whichever thread the core decides on (nearly always the loop's own)."""
+        loop = self._loop
+
+        def settle() -> None:
+            if not answered.done():
+                answered.set_result(None)
+
+        def wake() -> None:
+            if threading.get_ident() == self._loop_thread:
+                settle()
+            else:
+                loop.call_soon_threadsafe(settle)
+
+        return wake
+
+    async def Quorum(self, request: ft_pb2.LighthouseQuorumRequest, context: grpc.aio.ServicerContext) -> bytes:
+        member = QuorumMember.from_pb(request.requester) if request.HasField("requester") else None
+        problem = member_problem(member)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lighthouse Quorum: {problem}")
+        remaining = context.time_remaining()
+        if remaining is None or remaining > 10 * 365 * 86400:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "lighthouse Quorum: missing deadline; call it with a timeout (it is a long poll)")
+        answered = self._loop.create_future()
+        waiter = Waiter(member, self._waker(answered))
+        self._core.join(waiter)
+        cancelled = False
+        try:
+            if waiter.issued is None:
+                await asyncio.wait((answered,), timeout=max(remaining, 0.0))
+            if waiter.issued is None:
+                code = grpc.StatusCode.UNAVAILABLE if self._core.closed else grpc.StatusCode.DEADLINE_EXCEEDED
+                await context.abort(code, f"lighthouse Quorum: no quorum containing {member.replica_id} "
+                                          + ("(lighthouse shutting down)" if self._core.closed else
+                                             "before the deadline"))
+            return waiter.issued.response()
+        except asyncio.CancelledError:  # the caller went away: its connection dropped, or it cancelled
+            cancelled = True
+            raise
+        finally:  # answered, deadline, or cancelled
+            self._core.leave(waiter, cancelled=cancelled)
+
+    async def Heartbeat(self, request: ft_pb2.LighthouseHeartbeatRequest,
+                        context: grpc.aio.ServicerContext) -> bytes:
+        problem = replica_id_problem(request.replica_id)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lighthouse Heartbeat: {problem}")
+        self._core.heartbeat(request.replica_id)
+        return _EMPTY
+
+    async def HeartbeatStream(self, requests: AsyncIterator[ft_pb2.LighthouseHeartbeatRequest],
+                              context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        token = object()
+        replica_id: str | None = None
+        why = "broke (connection dropped)"
+        try:
+            async for request in requests:
+                problem = replica_id_problem(request.replica_id)
+                if problem is None and replica_id is not None and request.replica_id != replica_id:
+                    problem = f"one replica per stream: opened by {replica_id}, then got {request.replica_id}"
+                if problem is not None:
+                    why = "rejected"
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lighthouse HeartbeatStream: {problem}")
+                if replica_id is None:
+                    replica_id = request.replica_id
+                    self._core.stream_opened(replica_id, token)
+                else:
+                    self._core.heartbeat(replica_id)
+                yield _EMPTY
+            why = "closed by the replica"
+        finally:
+            if replica_id is not None:
+                self._core.stream_closed(replica_id, token, why)
+
+
+def split_host_port(addr: str, what: str) -> tuple[str, int]:
+    """`host:port` (or `[v6]:port`) into its parts, with a clear error."""
+    host, sep, port = normalize_address(addr).rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"{what} {addr!r} is not HOST:PORT (e.g. 127.0.0.1:29510; port 0 picks a free one)")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def client_host(host: str) -> str:
+    """The host a client should dial for a server bound to `host`."""
+    if host in ("0.0.0.0", "::", ""):
+        return socket.gethostname()
+    return f"[{host}]" if ":" in host else host
+
+
+class LighthouseServer:
+    """The quorum server: gRPC service and tick on an event loop thread, plus HTTP status/metrics.
+
+    A context manager; `shutdown()` ends waiting calls and stops everything it started.
+    """
+
+    def __init__(self, bind: str = "127.0.0.1:0", min_replicas: int = 1, join_timeout_ms: int = 60_000,
+                 quorum_tick_ms: int = 100, heartbeat_timeout_ms: int = 5_000, token: str | None = None,
+                 http_bind: str | None = "127.0.0.1:0") -> None:
+        from ft_core.control.lighthouse_http import LighthouseMetrics, StatusHTTPServer
+
+        self.config = LighthouseConfig(bind=bind, http_bind=http_bind, min_replicas=min_replicas,
+                                       join_timeout_ms=join_timeout_ms, quorum_tick_ms=quorum_tick_ms,
+                                       heartbeat_timeout_ms=heartbeat_timeout_ms,
+                                       token=resolve_str(token, "FT_TOKEN", None))
+        self._host, self._requested_port = split_host_port(bind, "lighthouse bind address")
+        self.metrics = LighthouseMetrics()
+        self.core = LighthouseCore(self.config, self.metrics)
+        self.metrics.track(self.core)
+        self._stopped = False
+        self._loop = asyncio.new_event_loop()
+        self._server: grpc.aio.Server | None = None
+        self._ticker: asyncio.Task | None = None
+        self._thread = threading.Thread(target=self._run_loop, name="ftl-lighthouse-grpc", daemon=True)
+        self._thread.start()
+        self._http: StatusHTTPServer | None = None
+        try:
+            port = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=30)
+            if self.config.http_bind:
+                self._http = StatusHTTPServer(self.config.http_bind, self.core, self.metrics, self.config.token)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._address = f"{client_host(self._host)}:{port}"
+        logger.info("lighthouse listening on %s (status %s), %s", self._address, self.http_address() or "off",
+                    self.config, extra={"event": "lighthouse_start"})
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    async def _start(self) -> int:
+        service = _LighthouseService(self.core, self._loop)
+        server = grpc.aio.server(interceptors=[AsyncTokenAuthInterceptor(self.config.token)],
+                                 options=SERVER_OPTIONS)
+        handlers = service.handlers()
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        try:
+            port = add_server_port(server, f"{host}:{self._requested_port}")  # TLS when FT_TLS_CERT/KEY are set
+        except RuntimeError as exc:
+            raise ConfigError(f"lighthouse could not bind {self.config.bind}: {exc}; is the port in use?") from exc
+        if not port:
+            raise ConfigError(f"lighthouse could not bind {self.config.bind}; is the port in use?")
+        await server.start()
+        self._server = server
+        self._ticker = asyncio.get_running_loop().create_task(self._tick_loop(), name="ftl-lighthouse-tick")
+        return port
+
+    async def _tick_loop(self) -> None:
+        interval = self.config.quorum_tick_ms / 1000.0
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self.core.tick()
+            except Exception:  # the tick must survive any bug in one round; record it
+                logger.exception("lighthouse tick failed")
+
+    async def _stop(self, grace: float) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+        if self._server is not None:
+            await self._server.stop(grace)
+        # Let every cancelled handler finish before the loop closes (no coroutine left to die at exit).
+        pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        await asyncio.get_running_loop().shutdown_asyncgens()
+
+    def address(self) -> str:
+        """The gRPC `host:port` clients dial."""
+        return self._address
+
+    def http_address(self) -> str:
+        """`http://host:port` of the status page, /status and /metrics ("" when HTTP is off)."""
+        return self._http.address() if self._http is not None else ""
+
+    def shutdown(self, grace: float = 0.2) -> None:
+        """Stop serving: end waiting calls, stop the tick, the gRPC and the HTTP servers. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.core.close()
+        if self._thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(self._stop(grace), self._loop).result(timeout=grace + 10)
+            except Exception:  # keep shutting down the rest; record why this part failed
+                logger.exception("lighthouse gRPC server did not stop cleanly")
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._loop.close()
+        if self._http is not None:
+            self._http.shutdown()
+        logger.info("lighthouse on %s stopped", getattr(self, "_address", self.config.bind))
+
+    def __enter__(self) -> LighthouseServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def main(argv: list[str]) -> int:
+    """`ftl lighthouse`: run the quorum server until SIGINT/SIGTERM."""
+    from rich.console import Console
+    from rich.logging import RichHandler
+    from rich.markup import escape
+
+    parser = argparse.ArgumentParser(prog="ftl lighthouse", description="Run the quorum server (one per job).")
+    parser.add_argument("--bind", default=DEFAULT_BIND, help=f"gRPC HOST:PORT (default {DEFAULT_BIND})")
+    parser.add_argument("--http-bind", default=DEFAULT_HTTP_BIND,
+                        help=f"status page / JSON / metrics HOST:PORT (default {DEFAULT_HTTP_BIND}); 'off' disables")
+    parser.add_argument("--min-replicas", type=int, default=1, help="smallest quorum outside the fast path")
+    parser.add_argument("--join-timeout-ms", type=int, default=60_000, help="how long to wait for stragglers")
+    parser.add_argument("--quorum-tick-ms", type=int, default=100, help="re-decide this often")
+    parser.add_argument("--heartbeat-timeout-ms", type=int, default=5_000,
+                        help="a silent replica is dead after this long")
+    parser.add_argument("--token", default=None, help="shared token required on every call (or FT_TOKEN)")
+    parser.add_argument("--tls-cert", default=None,
+                        help="PEM certificate: serve gRPC and HTTP over TLS (or FT_TLS_CERT)")
+    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert (or FT_TLS_KEY)")
+    parser.add_argument("--tls-ca", default=None, help="PEM CA that signed the managers' certificates (or FT_TLS_CA)")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    opts = parser.parse_args(argv)
+    for value, var in ((opts.tls_cert, "FT_TLS_CERT"), (opts.tls_key, "FT_TLS_KEY"), (opts.tls_ca, "FT_TLS_CA")):
+        if value:  # this process's TLS settings (an FT_TLS_* variable already set still wins, as everywhere)
+            os.environ.setdefault(var, value)
+    console = Console(stderr=True)
+    logging.basicConfig(level=opts.log_level.upper(), format="%(message)s",
+                        handlers=[RichHandler(console=console, show_path=False)])
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server = LighthouseServer(bind=opts.bind, min_replicas=opts.min_replicas,
+                                  join_timeout_ms=opts.join_timeout_ms, quorum_tick_ms=opts.quorum_tick_ms,
+                                  heartbeat_timeout_ms=opts.heartbeat_timeout_ms, token=opts.token,
+                                  http_bind=None if opts.http_bind == "off" else opts.http_bind)
+    except ConfigError as exc:
+        console.print(f"[red]ftl lighthouse: {escape(str(exc))}[/red]")
+        return 2
+    with server:
+        http = server.http_address()
+        console.print(f"[bold green]lighthouse[/bold green] gRPC [cyan]{server.address()}[/cyan]"
+                      + (f"  status [cyan]{http}/[/cyan]  JSON {http}/status  metrics {http}/metrics" if http else "")
+                      + ("  [yellow](token required)[/yellow]" if server.config.token else ""))
+        console.print(f"min_replicas={opts.min_replicas} join_timeout_ms={opts.join_timeout_ms} "
+                      f"heartbeat_timeout_ms={opts.heartbeat_timeout_ms}; Ctrl-C to stop")
+        while not stop.wait(1.0):
+            pass
+        console.print("stopping lighthouse")
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+    return 0

@@ -1,0 +1,551 @@
+"""Per-group manager server (runs on group rank 0) and its client.
+
+The server gathers one Quorum call from every rank of its replica group, sends ONE lighthouse
+quorum for the group, and answers each rank with its own recovery plan (ft_core.control.recovery). It
+also runs the group's commit barrier (keyed by step) and keeps a heartbeat stream to the
+lighthouse. A Manager in the same process uses `quorum_local` / `should_commit_local` and skips
+the gRPC hop; the other ranks use `ManagerClient`.
+
+Kill policy: Kill exits the hosting process, so it must be authenticated. With a token set, the
+token interceptor authenticates it and Kill is allowed. Without a token Kill is refused unless
+the server was built with `allow_kill=True` (or FT_ALLOW_KILL=1), which a local demo can set;
+`allow_kill=False` refuses it even with a token.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import grpc
+
+from ft_core.control import rpc
+from ft_core.env import lookup, resolve_bool, resolve_int, resolve_seconds, resolve_str
+from ft_core.errors import ConfigError, FTError, FTTimeoutError, QuorumError, RPCError
+from ft_core.control.manager_client import ManagerClient, result_to_pb
+from ft_core.control.proto import ft_pb2, ft_pb2_grpc
+from ft_core.control.recovery import QuorumResult, compute_recovery_plan
+from ft_core.control.types import Quorum, QuorumMember
+
+__all__ = ["ManagerServer", "ManagerClient", "ManagerServerConfig", "QuorumResult"]
+
+logger = logging.getLogger(__name__)
+
+MAX_CHECKPOINT_METADATA_BYTES = 64 * 1024
+NO_DEADLINE_S = 1e9  # grpcio reports "no deadline" as ~9e18 seconds remaining
+KILL_EXIT_DELAY_S = 0.1  # lets the Kill response reach the caller before the process exits
+STREAM_WAIT_S = 1.0  # longest a quorum round waits for a connecting heartbeat stream
+
+
+def answer_by(timeout_s: float) -> float:
+    """Monotonic time at which to give up on a caller with `timeout_s` left: a little before its own
+    deadline, so it receives our explanation instead of a bare DEADLINE_EXCEEDED."""
+    return time.monotonic() + timeout_s - min(0.2, 0.1 * timeout_s)
+
+
+@dataclass(frozen=True)
+class ManagerServerConfig:
+    """Resolved settings of one manager server (environment overrides arguments)."""
+
+    replica_id: str
+    lighthouse_addrs: tuple[str, ...]
+    hostname: str
+    bind: str
+    store_addr: str
+    world_size: int
+    heartbeat_interval: timedelta
+    connect_timeout: timedelta
+    quorum_retries: int
+    token: str | None = field(default=None, repr=False)
+    allow_kill: bool | None = None
+
+    @property
+    def kill_allowed(self) -> bool:
+        return self.allow_kill if self.allow_kill is not None else bool(self.token)
+
+
+def resolve_config(replica_id: str, lighthouse_addr: str | list[str] | None, hostname: str, bind: str,
+                   store_addr: str, world_size: int, heartbeat_interval: timedelta, connect_timeout: timedelta,
+                   quorum_retries: int, token: str | None, allow_kill: bool | None) -> ManagerServerConfig:
+    """Validate arguments and apply FT_* overrides; raises ConfigError naming the bad setting."""
+    if not replica_id:
+        raise ConfigError("ManagerServer needs a non-empty replica_id (the replica group's name)")
+    addr_arg = ",".join(lighthouse_addr) if isinstance(lighthouse_addr, (list, tuple)) else lighthouse_addr
+    addrs = rpc.split_addresses(resolve_str(addr_arg, "FT_LIGHTHOUSE", None) or "")
+    if not addrs:
+        raise ConfigError("ManagerServer needs a lighthouse address: pass lighthouse_addr='host:port[,host:port]' "
+                          "or set FT_LIGHTHOUSE")
+    if world_size < 1:
+        raise ConfigError(f"ManagerServer world_size must be >= 1 (ranks in the replica group), got {world_size}")
+    retries = resolve_int(quorum_retries, "FT_QUORUM_RETRIES", 0)
+    if retries < 0:
+        raise ConfigError(f"quorum_retries must be >= 0, got {retries}")
+    if rpc.seconds(heartbeat_interval) <= 0:
+        raise ConfigError(f"heartbeat_interval must be positive, got {heartbeat_interval}")
+    explicit_kill = allow_kill is not None or lookup("FT_ALLOW_KILL") is not None
+    allow = resolve_bool(allow_kill, "FT_ALLOW_KILL", False) if explicit_kill else None
+    return ManagerServerConfig(
+        replica_id=replica_id, lighthouse_addrs=tuple(addrs), hostname=hostname, bind=bind, store_addr=store_addr,
+        world_size=world_size, heartbeat_interval=heartbeat_interval,
+        connect_timeout=resolve_seconds(connect_timeout, "FT_CONNECT_TIMEOUT_SEC", timedelta(seconds=10)),
+        quorum_retries=retries, token=resolve_str(token, "FT_TOKEN", None) or None, allow_kill=allow)
+
+
+@dataclass
+class _RankRequest:
+    """One group rank's Quorum call, waiting in a round."""
+
+    group_rank: int
+    step: int
+    shrink_only: bool
+    commit_failures: int
+    deadline: float
+
+
+@dataclass
+class _QuorumRound:
+    """Quorum calls of one group collected until every rank has arrived; then one lighthouse call."""
+
+    requests: dict[int, _RankRequest] = field(default_factory=dict)
+    quorum: Quorum | None = None
+    error: FTError | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.quorum is not None or self.error is not None
+
+
+@dataclass
+class _CommitRound:
+    """Votes of the group's ranks for one step."""
+
+    step: int
+    votes: dict[int, tuple[bool, object]] = field(default_factory=dict)
+    decision: bool | None = None
+    error: FTError | None = None
+
+
+class ManagerServer:
+    """The manager server of one replica group; see the module docstring."""
+
+    def __init__(self, replica_id: str, lighthouse_addr: str | list[str] | None, hostname: str = "127.0.0.1",
+                 bind: str = "127.0.0.1:0", store_addr: str = "", world_size: int = 1,
+                 heartbeat_interval: timedelta = timedelta(milliseconds=100),
+                 connect_timeout: timedelta = timedelta(seconds=10), quorum_retries: int = 0,
+                 token: str | None = None, allow_kill: bool | None = None) -> None:
+        from ft_core.control.lighthouse_client import LighthouseClient  # built in parallel; imported where used
+
+        self.config = resolve_config(replica_id, lighthouse_addr, hostname, bind, store_addr, world_size,
+                                     heartbeat_interval, connect_timeout, quorum_retries, token, allow_kill)
+        self._client_cls = LighthouseClient
+        self._cond = threading.Condition()
+        self._quorum_round = _QuorumRound()
+        self._commit_round: _CommitRound | None = None
+        self._checkpoint_metadata: dict[int, str] = {}
+        self._last_quorum_id = 0
+        self._closed = False
+        self._lighthouse_lock = threading.Lock()  # guards _lighthouse
+        self._lighthouse: Any = None
+        self._heartbeat_client: Any = None
+        self._heartbeat: Any = None
+
+        cfg = self.config
+        # Every rank may wait in Quorum and ShouldCommit at once, plus peers asking CheckpointMetadata.
+        workers = 2 * cfg.world_size + 8
+        self._handlers = futures.ThreadPoolExecutor(max_workers=workers,
+                                                    thread_name_prefix=f"ft-manager[{cfg.replica_id}]")
+        self._server = grpc.server(
+            self._handlers,
+            interceptors=[rpc.TokenAuthInterceptor(cfg.token)], options=rpc.SERVER_OPTIONS)
+        ft_pb2_grpc.add_ManagerServiceServicer_to_server(_ManagerServicer(self), self._server)
+        try:
+            port = rpc.add_server_port(self._server, cfg.bind)  # TLS when FT_TLS_CERT/FT_TLS_KEY are set
+        except RuntimeError as exc:
+            raise ConfigError(f"manager server could not bind {cfg.bind!r} ({exc}); "
+                              f"pick a free port or port 0") from None
+        if not port:
+            raise ConfigError(f"manager server could not bind {cfg.bind!r}; pick a free port or port 0")
+        self._address = f"{cfg.hostname}:{port}"
+        self._server.start()
+        try:
+            self._start_heartbeats()
+        except BaseException:
+            self._server.stop(None)
+            self._handlers.shutdown(wait=False, cancel_futures=True)
+            raise
+        logger.info("manager server for replica group %s listening on %s (world_size=%d, lighthouse=%s, "
+                    "token=%s, kill=%s)", cfg.replica_id, self._address, cfg.world_size,
+                    ",".join(cfg.lighthouse_addrs), "set" if cfg.token else "none",
+                    "allowed" if cfg.kill_allowed else "refused",
+                    extra={"ft_event": {"type": "manager_server_start", "replica_id": cfg.replica_id,
+                                        "address": self._address}})
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def address(self) -> str:
+        """`host:port` of this server, with the configured hostname."""
+        return self._address
+
+    @property
+    def replica_id(self) -> str:
+        return self.config.replica_id
+
+    def wait_heartbeat_connected(self, timeout: timedelta | float) -> bool:
+        """True once the lighthouse answers our heartbeat stream (from then on our death is seen at once)."""
+        return bool(self._heartbeat.wait_connected(timeout))
+
+    def last_quorum_id(self) -> int:
+        """Highest quorum_id this server has received from the lighthouse."""
+        return self._last_quorum_id
+
+    def shutdown(self) -> None:
+        """Stop heartbeats (the lighthouse drops us), fail waiting calls, stop serving. Idempotent."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            closing = FTError(f"manager server of replica group {self.replica_id} is shutting down")
+            if not self._quorum_round.finished and self._quorum_round.requests:
+                self._quorum_round.error = closing
+            if self._commit_round is not None:
+                self._commit_round.error = closing
+            self._cond.notify_all()
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        if self._heartbeat_client is not None:
+            self._heartbeat_client.close()
+        self._server.stop(grace=0.2).wait(timeout=5)
+        self._handlers.shutdown(wait=True, cancel_futures=True)  # grpc does not end its executor's threads
+        with self._lighthouse_lock:
+            if self._lighthouse is not None:
+                self._lighthouse.close()
+                self._lighthouse = None
+
+    def __enter__(self) -> "ManagerServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def _start_heartbeats(self) -> None:
+        cfg = self.config
+        self._heartbeat_client = self._client_cls(list(cfg.lighthouse_addrs), connect_timeout=cfg.connect_timeout,
+                                                  token=cfg.token)
+        self._heartbeat = self._heartbeat_client.start_heartbeat_stream(cfg.replica_id, cfg.heartbeat_interval)
+
+    # ----------------------------------------------------------------- validation
+
+    def _invalid(self, call: str, message: str) -> RPCError:
+        return RPCError(f"{call} on manager server {self._address} (replica group {self.replica_id}): {message}",
+                        peer=self._address, call=call, code="INVALID_ARGUMENT")
+
+    def _check_rank(self, call: str, group_rank: int) -> None:
+        if not 0 <= group_rank < self.config.world_size:
+            raise self._invalid(call, f"unknown group rank {group_rank}; this replica group has world_size "
+                                      f"{self.config.world_size} (valid ranks 0..{self.config.world_size - 1})")
+
+    def _check_step(self, call: str, step: int) -> None:
+        if step < 0:
+            raise self._invalid(call, f"step must be >= 0, got {step}")
+
+    def _check_open(self, call: str) -> None:
+        if self._closed:
+            raise RPCError(f"{call}: manager server of replica group {self.replica_id} is shut down",
+                           peer=self._address, call=call, code="UNAVAILABLE")
+
+    # ----------------------------------------------------------------- quorum
+
+    def quorum_local(self, group_rank: int, step: int, checkpoint_metadata: str, shrink_only: bool,
+                     timeout: timedelta | float, init_sync: bool = True, commit_failures: int = 0) -> QuorumResult:
+        """Join this group's quorum round as `group_rank` and return that rank's plan (no gRPC hop)."""
+        self._check_rank("Quorum", group_rank)
+        self._check_step("Quorum", step)
+        if commit_failures < 0:
+            raise self._invalid("Quorum", f"commit_failures must be >= 0, got {commit_failures}")
+        size = len(checkpoint_metadata.encode())
+        if size > MAX_CHECKPOINT_METADATA_BYTES:
+            raise self._invalid("Quorum", f"checkpoint_metadata is {size} bytes; the limit is "
+                                          f"{MAX_CHECKPOINT_METADATA_BYTES} (it should be a transport address)")
+        timeout_s = rpc.seconds(timeout)
+        deadline = answer_by(timeout_s)
+        entry = _RankRequest(group_rank, step, shrink_only, commit_failures, deadline)
+        with self._cond:
+            self._check_open("Quorum")
+            self._checkpoint_metadata[group_rank] = checkpoint_metadata
+            rnd = self._quorum_round
+            rnd.requests[group_rank] = entry  # a retry from the same rank replaces its stale call
+            self._cond.notify_all()
+            lead = len(rnd.requests) == self.config.world_size
+            if lead:
+                self._quorum_round = _QuorumRound()  # later calls belong to the next round
+        if lead:
+            self._run_round(rnd)
+        else:
+            self._wait_round(rnd, entry, timeout_s)
+        if rnd.error is not None:
+            raise rnd.error
+        assert rnd.quorum is not None
+        try:
+            return compute_recovery_plan(self.replica_id, group_rank, rnd.quorum, init_sync)
+        except QuorumError as exc:
+            raise RPCError(str(exc), peer=self._address, call="Quorum", code="FAILED_PRECONDITION") from None
+
+    def _wait_round(self, rnd: _QuorumRound, entry: _RankRequest, timeout_s: float) -> None:
+        with self._cond:
+            while not rnd.finished:
+                if rnd.requests.get(entry.group_rank) is not entry:
+                    raise RPCError(f"Quorum call of group rank {entry.group_rank} (replica group {self.replica_id}) "
+                                   f"was superseded by a newer call from the same rank", peer=self._address,
+                                   call="Quorum", code="ABORTED")
+                remaining = entry.deadline - time.monotonic()
+                if remaining <= 0:
+                    arrived = sorted(rnd.requests)
+                    if self._quorum_round is rnd:  # still collecting: withdraw so a stale call never completes it
+                        del rnd.requests[entry.group_rank]
+                        missing = [r for r in range(self.config.world_size) if r not in arrived]
+                        raise FTTimeoutError(
+                            f"Quorum on manager server {self._address} (replica group {self.replica_id}) timed out "
+                            f"after {timeout_s:.3g}s: group rank(s) {missing} of world_size {self.config.world_size} "
+                            f"never called Quorum; they may be dead, hung or slow (or raise the quorum timeout)")
+                    raise FTTimeoutError(
+                        f"Quorum on manager server {self._address} (replica group {self.replica_id}) timed out "
+                        f"after {timeout_s:.3g}s waiting for the lighthouse ({','.join(self.config.lighthouse_addrs)})"
+                        f" to issue a quorum; check the lighthouse status page, min_replicas and join_timeout")
+                self._cond.wait(remaining)
+
+    def _run_round(self, rnd: _QuorumRound) -> None:
+        """Called by the last rank to arrive: cross-check steps, one lighthouse call, wake every rank."""
+        requests = sorted(rnd.requests.values(), key=lambda r: r.group_rank)
+        steps = {r.step for r in requests}
+        quorum: Quorum | None = None
+        error: FTError | None = None
+        if len(steps) > 1:
+            by_step = ", ".join(f"group rank {r.group_rank} at step {r.step}" for r in requests)
+            error = RPCError(f"Quorum: the ranks of replica group {self.replica_id} report different steps "
+                             f"({by_step}); every rank of a group must commit the same steps (check for a rank "
+                             f"that skipped should_commit or loaded another checkpoint)", peer=self._address,
+                             call="Quorum", code="FAILED_PRECONDITION")
+        else:
+            member = QuorumMember(
+                replica_id=self.replica_id, address=self._address, store_address=self.config.store_addr,
+                step=requests[0].step, world_size=self.config.world_size,
+                shrink_only=any(r.shrink_only for r in requests),
+                commit_failures=max(r.commit_failures for r in requests), last_quorum_id=self._last_quorum_id)
+            deadline = min(r.deadline for r in requests)  # every rank hears the outcome before its deadline
+            self._await_heartbeat_stream(deadline)
+            try:
+                quorum = self._lighthouse_quorum(member, deadline)
+            except FTError as exc:
+                error = exc
+        with self._cond:
+            if quorum is not None:
+                self._last_quorum_id = max(self._last_quorum_id, quorum.quorum_id)
+            rnd.quorum, rnd.error = quorum, error
+            if rnd.error is None and rnd.quorum is None:
+                rnd.error = FTError("quorum round ended without a result")
+            self._cond.notify_all()
+        if quorum is not None:
+            logger.debug("replica group %s got quorum %d (%d participants)", self.replica_id, quorum.quorum_id,
+                         len(quorum.participants))
+        else:
+            logger.warning("quorum round of replica group %s failed: %s", self.replica_id, error,
+                           extra={"ft_event": {"type": "error", "replica_id": self.replica_id,
+                                               "message": str(error)}})
+
+    def _await_heartbeat_stream(self, deadline: float) -> None:
+        """Before a round, give a connecting heartbeat stream a moment (no wait once it is up).
+
+        The lighthouse counts a join as alive only while the replica's stream is open after a stream
+        of the same replica broke (a restarted group), so a join sent before our stream opens could
+        miss the survivors' next round. Bounded: with the stream down the round still goes ahead.
+        """
+        heartbeat = self._heartbeat
+        if heartbeat is None or heartbeat.connected:
+            return
+        heartbeat.wait_connected(max(min(STREAM_WAIT_S, 0.5 * (deadline - time.monotonic())), 0.0))
+
+    def _lighthouse_quorum(self, member: QuorumMember, deadline: float) -> Quorum:
+        """One lighthouse quorum for the group, retried `quorum_retries` times on failures before the deadline."""
+        attempts = self.config.quorum_retries + 1
+        delays = rpc.backoff_delays(initial=0.1, cap=1.0)
+        last: FTError | None = None
+        for attempt in range(1, attempts + 1):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            client = None
+            try:
+                client = self._lighthouse_client()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                return client.quorum(member, timeout=timedelta(seconds=remaining))
+            except FTTimeoutError as exc:
+                last = exc
+                break  # the long poll used the whole budget; a retry has nothing left to wait with
+            except FTError as exc:
+                last = exc
+                logger.warning("lighthouse quorum attempt %d/%d for replica group %s failed: %s", attempt,
+                               attempts, self.replica_id, exc)
+                self._drop_lighthouse_client(client)
+                if attempt < attempts:
+                    time.sleep(max(min(next(delays), deadline - time.monotonic()), 0))
+        where = ",".join(self.config.lighthouse_addrs)
+        if last is None or isinstance(last, FTTimeoutError):
+            raise FTTimeoutError(f"lighthouse quorum for replica group {self.replica_id} at {where} did not complete "
+                                 f"before the deadline ({last or 'no time left'}); check that the lighthouse is up, "
+                                 f"its min_replicas and join_timeout, or raise the quorum timeout")
+        raise RPCError(f"lighthouse quorum for replica group {self.replica_id} failed after {attempts} attempt(s) at "
+                       f"{where}: {last}", peer=self._address, call="Quorum", code="UNAVAILABLE")
+
+    def _lighthouse_client(self) -> Any:
+        """The lighthouse client for quorum calls, built on first use and again after a failure."""
+        with self._lighthouse_lock:
+            if self._lighthouse is None:
+                self._lighthouse = self._client_cls(list(self.config.lighthouse_addrs),
+                                                    connect_timeout=self.config.connect_timeout,
+                                                    token=self.config.token)
+            return self._lighthouse
+
+    def _drop_lighthouse_client(self, client: Any) -> None:
+        with self._lighthouse_lock:
+            if client is not None and self._lighthouse is client:
+                self._lighthouse = None
+        if client is not None:
+            client.close()
+
+    # ----------------------------------------------------------------- commit barrier
+
+    def should_commit_local(self, group_rank: int, step: int, should_commit: bool,
+                            timeout: timedelta | float) -> bool:
+        """Vote for `step` as `group_rank`; True only when every rank of the group votes True for that step."""
+        self._check_rank("ShouldCommit", group_rank)
+        self._check_step("ShouldCommit", step)
+        timeout_s = rpc.seconds(timeout)
+        deadline = answer_by(timeout_s)
+        token = object()
+        with self._cond:
+            self._check_open("ShouldCommit")
+            rnd = self._commit_round
+            if rnd is None:
+                rnd = self._commit_round = _CommitRound(step)
+            elif rnd.step != step:
+                rnd.error = RPCError(
+                    f"ShouldCommit: group rank {group_rank} of replica group {self.replica_id} voted for step {step} "
+                    f"while the vote in progress is for step {rnd.step} (ranks {sorted(rnd.votes)} voted); the "
+                    f"ranks of a group disagree on the step", peer=self._address, call="ShouldCommit",
+                    code="FAILED_PRECONDITION")
+                self._commit_round = None
+                self._cond.notify_all()
+                raise rnd.error
+            rnd.votes[group_rank] = (bool(should_commit), token)
+            if len(rnd.votes) == self.config.world_size:
+                rnd.decision = all(v for v, _ in rnd.votes.values())
+                self._commit_round = None
+                self._cond.notify_all()
+                return rnd.decision
+            self._cond.notify_all()
+            while rnd.decision is None and rnd.error is None:
+                if rnd.votes.get(group_rank, (None, None))[1] is not token:
+                    raise RPCError(f"ShouldCommit vote of group rank {group_rank} for step {step} was superseded by "
+                                   f"a newer vote from the same rank", peer=self._address, call="ShouldCommit",
+                                   code="ABORTED")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = [r for r in range(self.config.world_size) if r not in rnd.votes]
+                    del rnd.votes[group_rank]
+                    if not rnd.votes and self._commit_round is rnd:
+                        self._commit_round = None
+                    raise FTTimeoutError(
+                        f"ShouldCommit on manager server {self._address} (replica group {self.replica_id}) for step "
+                        f"{step} timed out after {timeout_s:.3g}s: group rank(s) {missing} did not vote; they may be "
+                        f"dead, hung or slow")
+                self._cond.wait(remaining)
+            if rnd.error is not None:
+                raise rnd.error
+            return rnd.decision
+
+    # ----------------------------------------------------------------- checkpoint metadata
+
+    def checkpoint_metadata_local(self, group_rank: int) -> str:
+        """The checkpoint transport address `group_rank` registered at its last Quorum call."""
+        self._check_rank("CheckpointMetadata", group_rank)
+        with self._cond:
+            value = self._checkpoint_metadata.get(group_rank)
+        if value is None:
+            raise RPCError(f"CheckpointMetadata: group rank {group_rank} of replica group {self.replica_id} has not "
+                           f"called Quorum on this manager server yet, so it has no checkpoint address",
+                           peer=self._address, call="CheckpointMetadata", code="NOT_FOUND")
+        return value
+
+    # ----------------------------------------------------------------- kill
+
+    def _kill(self, msg: str) -> None:
+        if not self.config.kill_allowed:
+            raise RPCError(f"Kill refused by manager server {self._address} (replica group {self.replica_id}): it "
+                           f"runs without a token, so Kill cannot be authenticated; set FT_TOKEN on every process "
+                           f"(or allow_kill=True / FT_ALLOW_KILL=1 for a local demo)", peer=self._address,
+                           call="Kill", code="PERMISSION_DENIED")
+        logger.warning("replica group %s killed by request: %s", self.replica_id, msg,
+                       extra={"ft_event": {"type": "kill", "replica_id": self.replica_id, "message": msg}})
+
+        def exit_soon() -> None:
+            time.sleep(KILL_EXIT_DELAY_S)
+            os._exit(1)
+
+        threading.Thread(target=exit_soon, name=f"ft-manager-kill[{self.replica_id}]", daemon=True).start()
+
+
+class _ManagerServicer(ft_pb2_grpc.ManagerServiceServicer):
+    """gRPC shell: checks the deadline, calls the server's local methods, maps errors to status codes."""
+
+    def __init__(self, server: ManagerServer) -> None:
+        self._server = server
+
+    def _timeout(self, context: grpc.ServicerContext, call: str) -> float:
+        remaining = context.time_remaining()
+        if remaining is None or remaining > NO_DEADLINE_S:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{call}: missing deadline; every call to the manager server must set a timeout "
+                          f"(ManagerClient always does)")
+        return remaining
+
+    def _run(self, context: grpc.ServicerContext, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except FTTimeoutError as exc:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+        except RPCError as exc:
+            code = getattr(grpc.StatusCode, exc.code, None) if exc.code else None
+            context.abort(code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.ABORTED, str(exc))
+        except FTError as exc:
+            context.abort(grpc.StatusCode.ABORTED, str(exc))
+
+    def Quorum(self, request: ft_pb2.ManagerQuorumRequest, context: grpc.ServicerContext) -> Any:
+        timeout = self._timeout(context, "Quorum")
+        result = self._run(context, self._server.quorum_local, request.group_rank, request.step,
+                           request.checkpoint_metadata, request.shrink_only, timeout, request.init_sync,
+                           request.commit_failures)
+        return result_to_pb(result)
+
+    def ShouldCommit(self, request: ft_pb2.ShouldCommitRequest, context: grpc.ServicerContext) -> Any:
+        timeout = self._timeout(context, "ShouldCommit")
+        decision = self._run(context, self._server.should_commit_local, request.group_rank, request.step,
+                             request.should_commit, timeout)
+        return ft_pb2.ShouldCommitResponse(should_commit=decision)
+
+    def CheckpointMetadata(self, request: ft_pb2.CheckpointMetadataRequest, context: grpc.ServicerContext) -> Any:
+        self._timeout(context, "CheckpointMetadata")
+        value = self._run(context, self._server.checkpoint_metadata_local, request.group_rank)
+        return ft_pb2.CheckpointMetadataResponse(checkpoint_metadata=value)
+
+    def Kill(self, request: ft_pb2.KillRequest, context: grpc.ServicerContext) -> Any:
+        self._timeout(context, "Kill")
+        self._run(context, self._server._kill, request.msg)
+        return ft_pb2.KillResponse()

@@ -1,0 +1,336 @@
+"""Reconfigurable process groups: Gloo, NCCL and XCCL in this process, subprocess variants, wrappers.
+
+Each quorum change the Manager calls `configure(store_addr, ...)` with a fresh store prefix; the old
+backend is aborted and a new one is built for the new members. A dead or hung peer becomes an error
+(FTTimeoutError or ProcessGroupError) within the timeout, never a hang.
+
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=30))
+    pg.configure("10.0.0.1:29500/ft/7/0", replica_id="a", rank=0, world_size=2)
+    pg.allreduce([grad], ReduceOp.SUM).wait()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ft_core.errors import FTTimeoutError, ProcessGroupError
+from ft_core.process_groups.base import (
+    COLLECTIVES,
+    DEFAULT_TIMEOUT,
+    CompletedWork,
+    Deadlines,
+    ProcessGroup,
+    as_error,
+    configure_store_host,
+    default_opts,
+    group_label,
+    op_result,
+)
+from ft_core.process_groups.gloo_abort import shutdown_sockets, socket_inodes
+from ft_core.process_groups.child import (
+    Waiter,
+    as_c10d_group,
+    connect_store,
+    is_loopback,
+    new_backend,
+    on_completion,
+)
+
+logger = logging.getLogger("ft_core.process_groups")
+
+__all__ = ["ProcessGroupGloo", "ProcessGroupNCCL", "ProcessGroupWrapper", "ProcessGroupXCCL"]
+
+# Extra seconds wait() allows past the backend's own op timeout before it gives up by itself.
+WAIT_GRACE_S = 1.0
+
+
+class _BackendWork(dist.Work):
+    """Work of an in-process backend: errors mapped and recorded on the group; wait() has a deadline."""
+
+    def __init__(self, pg: ProcessGroupWrapper, inner: dist.Work, name: str, result: Any,
+                 generation: int, devices: list[torch.device] | None) -> None:
+        super().__init__()
+        self._pg = pg
+        self._inner = inner
+        self._name = name
+        self._result = result
+        self._generation = generation
+        self._devices = devices
+        self._future: torch.futures.Future | None = None
+        self._lock = threading.Lock()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        limit = timeout if timeout and timeout.total_seconds() > 0 else self._pg.timeout
+        try:
+            completed = self._inner.wait(limit + timedelta(seconds=WAIT_GRACE_S))
+        except Exception as exc:
+            raise self._pg._fail(exc, self._name, self._generation) from exc
+        if completed is False:
+            error = FTTimeoutError(f"{self._name} did not finish within {limit.total_seconds():.1f}s")
+            raise self._pg._fail(error, self._name, self._generation)
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        with self._lock:
+            if self._future is not None:
+                return self._future
+            future = torch.futures.Future(devices=self._devices) if self._devices else torch.futures.Future()
+
+            def done(exc: BaseException | None) -> None:
+                if exc is not None:
+                    future.set_exception(self._pg._fail(exc, self._name, self._generation))
+                else:
+                    future.set_result(self._result)
+
+            on_completion(self._inner, self._pg._waiter, done)
+            self._future = future
+            return future
+
+    def is_completed(self) -> bool:
+        return bool(self._inner.is_completed())
+
+
+class ProcessGroupWrapper(ProcessGroup):
+    """A reconfigurable group running a c10d backend in this process (Gloo, NCCL, XCCL)."""
+
+    BACKEND = "none"
+
+    def __init__(self, timeout: timedelta | float | None = None) -> None:
+        super().__init__(timeout)
+        self._lock = threading.Lock()
+        self._backend: Any = None
+        self._generation = 0
+        self._error: Exception | None = None
+        self._configure_lock = threading.Lock()
+        self._waiter = Waiter(f"ft-{self.BACKEND}-waiter")
+
+    def getBackendName(self) -> str:
+        return f"ft-{self.BACKEND}"
+
+    # -- subclass hooks ---------------------------------------------------------------------
+    def _create_backend(self, store: Any, store_host: str, rank: int, world_size: int, name: str,
+                        global_ranks: list[int] | None) -> Any:
+        raise ProcessGroupError(f"{type(self).__name__} has no backend")
+
+    def _devices(self, args: tuple) -> list[torch.device] | None:
+        return None
+
+    def _after_issue(self, work: _BackendWork, generation: int) -> None:
+        """Called once per issued op (NCCL uses it to arm the op's deadline)."""
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
+                  quorum_id: int | None = None, group_rank: int | None = None,
+                  group_world_size: int | None = None, global_ranks: list[int] | None = None) -> None:
+        host = configure_store_host(store_addr, rank, world_size)
+        with self._configure_lock:
+            self._drop_backend("reconfigure")
+            name = group_label(quorum_id, replica_id, rank)
+            started = time.monotonic()
+            try:
+                store = connect_store(store_addr, self._timeout)
+                backend = self._create_backend(store, host, rank, world_size, name, global_ranks)
+            except Exception as exc:
+                raise as_error(exc, f"configure {self.getBackendName()} rank {rank}/{world_size} "
+                                    f"at {store_addr} (timeout {self._timeout.total_seconds():.1f}s; "
+                                    "are all members configuring with the same store prefix?)") from exc
+            with self._lock:
+                self._backend = backend
+                self._generation += 1
+                self._error = None
+                self._rank = rank
+                self._world_size = world_size
+            logger.info("process group configured", extra={
+                "backend": self.BACKEND, "quorum_id": quorum_id, "replica_id": replica_id, "rank": rank,
+                "world_size": world_size, "seconds": round(time.monotonic() - started, 3)})
+
+    def _drop_backend(self, reason: str) -> None:
+        with self._lock:
+            backend, self._backend = self._backend, None
+            self._generation += 1
+        if backend is not None:
+            try:
+                backend.abort()
+            except Exception as exc:  # the old group is being thrown away anyway
+                logger.warning("abort of old %s backend failed (%s): %s", self.BACKEND, reason, exc)
+
+    def abort(self) -> None:
+        with self._lock:
+            if self._backend is not None and self._error is None:
+                self._error = ProcessGroupError(f"{self.getBackendName()} process group was aborted")
+        self._drop_backend("abort")
+
+    def shutdown(self) -> None:
+        self.unregister()
+        self._drop_backend("shutdown")
+        self._waiter.close(self._timeout.total_seconds() + 2)
+
+    def errored(self) -> Exception | None:
+        return self._error
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        super().set_timeout(timeout)
+        with self._lock:
+            backend = self._backend
+        if backend is not None and hasattr(backend, "set_timeout"):
+            backend.set_timeout(self._timeout)
+
+    def _fail(self, exc: BaseException, name: str, generation: int) -> Exception:
+        """Record a failed op as this group's error (if it belongs to the current generation)."""
+        error = as_error(exc, f"{self.getBackendName()} {name} (rank {self._rank}/{self._world_size})")
+        with self._lock:
+            if generation == self._generation and self._error is None:
+                self._error = error
+        logger.warning("collective failed", extra={"backend": self.BACKEND, "op": name, "error": str(error)})
+        return error
+
+    # -- collectives ----------------------------------------------------------------------------
+    def _collective(self, name: str, args: tuple, opts: Any) -> dist.Work:
+        with self._lock:
+            backend, generation = self._backend, self._generation
+        if backend is None:
+            raise ProcessGroupError(f"{self.getBackendName()} {name}: the group is not configured "
+                                    "(call configure() after each quorum change)")
+        try:
+            if name in ("send", "recv"):
+                inner = getattr(backend, name)(*args)
+            elif name == "barrier":
+                inner = backend.barrier(default_opts(name, opts))
+            else:
+                inner = getattr(backend, name)(*args, default_opts(name, opts))
+        except Exception as exc:  # bad arguments or an unsupported op: the group itself is fine
+            raise as_error(exc, f"{self.getBackendName()} {name} could not be issued", broken=False) from exc
+        work = _BackendWork(self, inner, name, op_result(name, args), generation, self._devices(args))
+        self._after_issue(work, generation)
+        return work
+
+
+class ProcessGroupGloo(ProcessGroupWrapper):
+    """Gloo (CPU tensors; CUDA tensors too, staged by Gloo). ReduceOp.AVG is not supported by Gloo.
+
+    Gloo's own abort() neither wakes a pending op nor tells the peers (torch 2.13: both wait for the
+    full timeout), so abort also shuts down the sockets the backend opened at configure: the local
+    op and every peer's op on those connections fail at once, and the survivors rebuild sooner.
+    """
+
+    BACKEND = "gloo"
+
+    def __init__(self, timeout: timedelta | float | None = None) -> None:
+        super().__init__(timeout)
+        self._owned_sockets: dict[int, str] = {}
+
+    def _create_backend(self, store: Any, store_host: str, rank: int, world_size: int, name: str,
+                        global_ranks: list[int] | None) -> Any:
+        # Bind where the store is reachable: loopback for a loopback store, else the default interface.
+        hostname = "127.0.0.1" if is_loopback(store_host) else ""
+        before = socket_inodes()
+        backend = new_backend("gloo", store, rank, world_size, self._timeout, self._timeout, hostname, name,
+                              global_ranks)
+        after = socket_inodes()
+        self._owned_sockets = {fd: t for fd, t in after.items() if before.get(fd) != t}
+        return backend
+
+    def _drop_backend(self, reason: str) -> None:
+        owned, self._owned_sockets = self._owned_sockets, {}
+        if owned and reason == "abort":
+            closed = shutdown_sockets(owned)
+            logger.info("gloo abort shut down %d connection(s)", closed, extra={"backend": self.BACKEND})
+        super()._drop_backend(reason)
+
+
+class _AcceleratorGroup(ProcessGroupWrapper):
+    """NCCL/XCCL: ops are asynchronous on the device, so each op gets a deadline on its completion;
+    an expired deadline aborts the communicator (not the process) and errored() reports it."""
+
+    DEVICE = "cuda"
+
+    def __init__(self, timeout: timedelta | float | None = None) -> None:
+        super().__init__(timeout)
+        self._deadlines = Deadlines(f"ft-{self.BACKEND}-deadlines")
+
+    def _device_module(self) -> Any:
+        return getattr(torch, self.DEVICE)
+
+    def _current_device(self) -> torch.device:
+        return torch.device(self.DEVICE, self._device_module().current_device())
+
+    def _devices(self, args: tuple) -> list[torch.device] | None:
+        return [self._current_device()]
+
+    def _after_issue(self, work: _BackendWork, generation: int) -> None:
+        seconds = self._timeout.total_seconds()
+
+        def check() -> None:
+            if generation != self._generation or work.is_completed():
+                return
+            error = FTTimeoutError(f"{self.getBackendName()} {work._name} did not complete within "
+                                   f"{seconds:.1f}s; aborting the communicator")
+            with self._lock:
+                if generation == self._generation and self._error is None:
+                    self._error = error
+            logger.error("collective timed out; aborting communicator",
+                         extra={"backend": self.BACKEND, "op": work._name})
+            self._drop_backend("timeout")
+
+        self._deadlines.schedule(seconds, check)
+
+    def errored(self) -> Exception | None:
+        # Let queued device work finish (or time out and abort) so its failure is visible here.
+        if self._error is None and self._backend is not None:
+            self._device_module().current_stream().synchronize()
+        return self._error
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._deadlines.close()
+
+
+class ProcessGroupNCCL(_AcceleratorGroup):
+    """NCCL with non-blocking communicators: a timed-out op aborts the communicator, not the process."""
+
+    BACKEND = "nccl"
+    DEVICE = "cuda"
+
+    def _create_backend(self, store: Any, store_host: str, rank: int, world_size: int, name: str,
+                        global_ranks: list[int] | None) -> Any:
+        if not torch.cuda.is_available():
+            raise ProcessGroupError("ProcessGroupNCCL needs CUDA; use ProcessGroupGloo on CPU")
+        # Non-blocking init/ops poll for this long before giving up (torch's knob; ours if unset).
+        os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(max(1, int(self._timeout.total_seconds()))))
+        from torch._C._distributed_c10d import ProcessGroupNCCL as _NCCL
+
+        opts = _NCCL.Options()
+        opts.config.blocking = False
+        # Our deadline aborts the communicator first; torch's watchdog (which would end the
+        # process) only acts as a far backstop.
+        opts._timeout = self._timeout + timedelta(seconds=60)
+        opts.group_name = name
+        opts.global_ranks_in_group = list(global_ranks or range(world_size))
+        backend = _NCCL(store, rank, world_size, opts)
+        backend._set_sequence_number_for_group()
+        backend.eager_connect_single_device(self._current_device())
+        logger.info("NCCL communicator up", extra={"nccl_version": torch.cuda.nccl.version(), "group": name})
+        return as_c10d_group(store, rank, world_size, backend, "NCCL", ["cuda"])
+
+
+class ProcessGroupXCCL(_AcceleratorGroup):
+    """XCCL for Intel XPU, the same design as ProcessGroupNCCL."""
+
+    BACKEND = "xccl"
+    DEVICE = "xpu"
+
+    def _create_backend(self, store: Any, store_host: str, rank: int, world_size: int, name: str,
+                        global_ranks: list[int] | None) -> Any:
+        xpu = getattr(torch, "xpu", None)
+        if xpu is None or not xpu.is_available():
+            raise ProcessGroupError("ProcessGroupXCCL needs an Intel XPU; use ProcessGroupGloo on CPU")
+        return new_backend("xccl", store, rank, world_size, self._timeout, self._timeout + timedelta(seconds=60),
+                           str(self._current_device()), name, global_ranks)
