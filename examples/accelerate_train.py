@@ -110,7 +110,7 @@ def main() -> None:
     accelerator.register_for_checkpointing(progress)
     samples_per_group_step = args.batch_size * args.grad_accum * accelerator.num_processes
 
-    group = accelerator.ft.replica_id
+    group = accelerator.ft.replica_group_id
     windows = micro_batches = 0
     epoch = 0
     while accelerator.ft_step < args.steps:

@@ -28,6 +28,7 @@ from torch.distributed import ReduceOp
 
 from ft_core import futures as ft_futures
 from ft_core.errors import FTError
+from ft_core.process_groups import ProcessGroupDummy
 
 if TYPE_CHECKING:
     from ft_core.manager import Manager
@@ -263,8 +264,6 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         if intra_group_pg is None:
             intra_group_pg = _default_intra_group_pg()
         if intra_group_pg is None:
-            from ft_core.process_groups import ProcessGroupDummy
-
             process_group: Any = ProcessGroupDummy()
         else:
             process_group = intra_group_pg

@@ -28,6 +28,11 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from ft_core import futures as ft_futures
+from ft_core import net
+from ft_core import step_rules as rules
+from ft_core.checkpointing import HTTPTransport
+from ft_core.control.manager_client import ManagerClient
+from ft_core.control.manager_server import ManagerServer
 from ft_core.errors import (
     CheckpointError,
     CommitError,
@@ -36,15 +41,9 @@ from ft_core.errors import (
     FTTimeoutError,
 )
 from ft_core.managed_work import ManagedWork
-from ft_core.manager_config import (
-    ManagerConfig,
-    WorldSizeMode,
-    env_int,
-    participation,
-    resolve_config,
-    vote_world_size,
-)
+from ft_core.manager_config import ManagerConfig, WorldSizeMode, env_int, resolve_config
 from ft_core.control.recovery import QuorumResult
+from ft_core.step_rules import participation
 
 __all__ = ["Manager", "ManagerConfig", "WorldSizeMode", "participation", "resolve_config"]
 
@@ -86,15 +85,15 @@ class Manager:
     """Per-step fault tolerance for one rank of one replica group; see the module docstring."""
 
     def __init__(self, pg: Any, load_state_dict: Callable[[Any], None] | None = None,
-                 state_dict: Callable[[], Any] | None = None, min_replica_size: int = 1,
-                 use_async_quorum: bool = True, timeout: timedelta = timedelta(seconds=60),
-                 quorum_timeout: timedelta = timedelta(seconds=60), connect_timeout: timedelta = timedelta(seconds=60),
+                 state_dict: Callable[[], Any] | None = None, min_replica_size: int | None = None,
+                 use_async_quorum: bool | None = None, timeout: timedelta | float | None = None,
+                 quorum_timeout: timedelta | float | None = None, connect_timeout: timedelta | float | None = None,
                  rank: int | None = None, world_size: int | None = None,
-                 world_size_mode: WorldSizeMode = WorldSizeMode.DYNAMIC, store_addr: str | None = None,
+                 world_size_mode: WorldSizeMode | str | None = None, store_addr: str | None = None,
                  store_port: int | None = None, lighthouse_addr: str | list[str] | None = None,
                  replica_id: str | None = None, port: int | None = None, hostname: str = "127.0.0.1",
                  heartbeat_interval: timedelta = timedelta(milliseconds=100), checkpoint_transport: Any = None,
-                 init_sync: bool = True, max_retries: int | None = None, quorum_retries: int = 0,
+                 init_sync: bool = True, max_retries: int | None = None, quorum_retries: int | None = None,
                  token: str | None = None) -> None:
         cfg = resolve_config(replica_id=replica_id, rank=rank, world_size=world_size,
                              min_replica_size=min_replica_size, use_async_quorum=use_async_quorum, timeout=timeout,
@@ -110,19 +109,14 @@ class Manager:
         if load_state_dict is not None and state_dict is not None:
             self._state_fns["default"] = (load_state_dict, state_dict)
 
-        self._step = 0
-        self._batches_committed = 0
-        self._commit_failures = 0
-        self._quorum_id = -1
+        self._state = rules.StepState()
         self._errored: Exception | None = None
         self._error_lock = threading.Lock()
         self._pg_broken = False
         self._healing = False
         self._pending_state_dict: Any = None
         self._heal_info: dict[str, Any] = {}
-        self._participating_rank: int | None = None
-        self._participating_world_size = 0
-        self._vote_world_size = 0
+        self._round: rules.QuorumActions | None = None  # this step's role, from the quorum
         self._quorum_future: concurrent.futures.Future | None = None
         self._quorum_timeout_s = cfg.quorum_timeout.total_seconds()
         self._closed = False
@@ -138,10 +132,8 @@ class Manager:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"ft-quorum[{cfg.replica_id}/{cfg.group_rank}]")
         if checkpoint_transport is None:
-            from ft_core.checkpointing import HTTPTransport
-
             checkpoint_transport = HTTPTransport(timeout=cfg.timeout, num_chunks=0, token=cfg.token,
-                                                 hostname=cfg.hostname, bind=f"{cfg.hostname}:0")
+                                                 hostname=cfg.hostname, bind=net.format_host_port(cfg.hostname, 0))
         self._transport = checkpoint_transport
         logger.info("%s manager started: %s", self._prefix(), cfg)
 
@@ -159,23 +151,19 @@ class Manager:
                 raise ConfigError("a replica group with several ranks needs its TCPStore: pass store_addr= and "
                                   "store_port= or run under torchrun (MASTER_ADDR/MASTER_PORT)")
             self._store = dist.TCPStore(host, int(port), is_master=False, timeout=cfg.connect_timeout)
-        self._store_address = f"{host}:{port}"
+        self._store_address = net.format_host_port(host, int(port))
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"{STORE_PREFIX}/{restart}", self._store)
         if cfg.group_rank == 0:
-            from ft_core.control.manager_server import ManagerServer
-
             self._replica_id = cfg.replica_id
             self._server = ManagerServer(self._replica_id, cfg.lighthouse_addr, hostname=cfg.hostname,
-                                         bind=f"{cfg.hostname}:{cfg.port}", store_addr=self._store_address,
+                                         bind=net.format_host_port(cfg.hostname, cfg.port), store_addr=self._store_address,
                                          world_size=cfg.group_world_size, heartbeat_interval=cfg.heartbeat_interval,
                                          connect_timeout=cfg.connect_timeout, quorum_retries=cfg.quorum_retries,
                                          token=cfg.token)
             store.set("replica_id", self._replica_id)
             store.set("manager_addr", self._server.address())
         else:
-            from ft_core.control.manager_client import ManagerClient
-
             try:
                 store.wait(["manager_addr", "replica_id"], cfg.connect_timeout)
             except Exception as exc:  # torch raises a DistStoreError on timeout
@@ -203,15 +191,14 @@ class Manager:
     def _manager_state_dict(self) -> dict[str, Any]:
         with self._state_lock:
             user = {key: save() for key, (_, save) in self._state_fns.items()}
-            return {"user": user, "ft": {"step": self._step, "batches_committed": self._batches_committed}}
+            return {"user": user, "ft": self.state_dict()}
 
     def state_dict(self) -> dict[str, int]:
         """The Manager's own progress; checkpoint it with the model."""
-        return {"step": self._step, "batches_committed": self._batches_committed}
+        return {"step": self._state.step, "batches_committed": self._state.batches_committed}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        self._step = int(state_dict["step"])
-        self._batches_committed = int(state_dict["batches_committed"])
+        self._state = rules.on_heal_fetched(self._state, state_dict)
 
     # ----------------------------------------------------------------- errors
 
@@ -245,7 +232,7 @@ class Manager:
             if self._pg_broken:
                 return
             self._pg_broken = True
-            self._quorum_id = -1  # rebuild at the next quorum whatever its id
+            self._state = rules.on_pg_broken(self._state)
         if not self._closed:
             try:
                 self._executor.submit(self._abort_pg)
@@ -301,9 +288,9 @@ class Manager:
 
     def _quorum_call(self, shrink_only: bool, timeout_s: float) -> QuorumResult:
         cfg = self.config
-        args = dict(group_rank=cfg.group_rank, step=self._step, checkpoint_metadata=self._transport.metadata(),
+        args = dict(group_rank=cfg.group_rank, step=self._state.step, checkpoint_metadata=self._transport.metadata(),
                     shrink_only=shrink_only, timeout=timedelta(seconds=timeout_s), init_sync=cfg.init_sync,
-                    commit_failures=self._commit_failures)
+                    commit_failures=self._state.commit_failures)
         if self._server is not None:
             return self._server.quorum_local(**args)
         return self._client.quorum(**args)
@@ -313,21 +300,18 @@ class Manager:
         started = time.perf_counter()
         result = self._quorum_call(shrink_only, timeout_s)  # errors propagate to wait_quorum
         quorum_s = time.perf_counter() - started
-        rank, world = participation(result, use_async_quorum=cfg.use_async_quorum, allow_heal=allow_heal,
-                                    init_sync=cfg.init_sync, mode=cfg.world_size_mode,
-                                    min_replica_size=cfg.min_replica_size)
-        self._participating_rank, self._participating_world_size = rank, world
-        self._vote_world_size = vote_world_size(result, world, cfg, allow_heal)
-        heal = allow_heal and result.heal
-        changed = result.quorum_id != self._quorum_id
-        if changed or heal or result.recover_dst_replica_ranks:
+        plan = self._round = rules.on_quorum(self._state, result, allow_heal=allow_heal,
+                                             use_async_quorum=cfg.use_async_quorum, init_sync=cfg.init_sync,
+                                             mode=cfg.world_size_mode, min_replica_size=cfg.min_replica_size)
+        world = plan.num_participants
+        if plan.reconfigure or plan.heal or plan.send_to:
             logger.info("%s quorum %d: replica rank %d/%d, participants %d, max_step %d, heal=%s, sends to %s",
                         self._prefix(), result.quorum_id, result.replica_rank, result.replica_world_size, world,
-                        result.max_step, heal, result.recover_dst_replica_ranks)
+                        result.max_step, plan.heal, list(plan.send_to))
         self._emit("quorum", quorum_id=result.quorum_id, replica_rank=result.replica_rank,
                    replica_world_size=result.replica_world_size, num_participants=world, max_step=result.max_step,
-                   heal=heal, seconds=quorum_s, changed=changed, replica_ids=list(result.replica_ids))
-        if changed:
+                   heal=plan.heal, seconds=quorum_s, changed=plan.reconfigure, replica_ids=list(result.replica_ids))
+        if plan.reconfigure:
             store = f"{result.store_address}/ft/{result.quorum_id}/{cfg.group_rank}"
             try:
                 self._pg.configure(store, cfg.replica_id, result.replica_rank, result.replica_world_size,
@@ -335,19 +319,17 @@ class Manager:
                                    group_world_size=cfg.group_world_size)
             except Exception as exc:
                 self._pg_broken = True
-                self._quorum_id = -1
+                self._state = rules.on_configure_failed(self._state)
                 self.report_error(exc)
                 return
-            self._quorum_id = result.quorum_id
-        if not allow_heal:
-            return
-        if result.recover_dst_replica_ranks:
+            self._state = rules.on_configured(self._state, result.quorum_id)
+        if plan.send_to:
             try:
-                self._transport.send_checkpoint(result.recover_dst_replica_ranks, result.max_step,
-                                                self._manager_state_dict(), cfg.timeout)
+                self._transport.send_checkpoint(list(plan.send_to), result.max_step, self._manager_state_dict(),
+                                                cfg.timeout)
             except Exception as exc:
                 self.report_error(exc)
-        if heal:
+        if plan.heal:
             self._healing = True
             try:
                 self._fetch_checkpoint(result)
@@ -355,8 +337,6 @@ class Manager:
                 self.report_error(exc)
 
     def _fetch_checkpoint(self, result: QuorumResult) -> None:
-        from ft_core.control.manager_client import ManagerClient
-
         cfg = self.config
         started = time.perf_counter()
         address = result.recover_src_manager_address
@@ -384,8 +364,7 @@ class Manager:
         self._pending_state_dict = state["user"]
         self._heal_info = {"source_replica_rank": result.recover_src_replica_rank,
                            "transfer_seconds": time.perf_counter() - started, "nbytes": _nbytes(state["user"])}
-        self._step = int(ft_state["step"])
-        self._batches_committed = int(ft_state["batches_committed"])
+        self._state = rules.on_heal_fetched(self._state, ft_state)
 
     def _apply_pending_state_dict(self) -> None:
         started = time.perf_counter()
@@ -422,9 +401,11 @@ class Manager:
             self.wait_quorum()
             if self._pg_broken:
                 return ft_futures.completed_future(tensor)
-            n = self._participating_world_size
+            n = self._round.num_participants if self._round is not None else 0
             if not self.is_participating():
-                tensor.zero_()
+                fill = rules.fill_value(reduce_op)
+                if fill is not None:
+                    tensor.fill_(fill)
             opts = dist.AllreduceOptions()
             opts.reduceOp = ReduceOp.SUM if reduce_op == ReduceOp.AVG else reduce_op
             work = self._pg.allreduce([tensor], opts)
@@ -448,33 +429,33 @@ class Manager:
             self._on_collective_error(pg_error)
         if self._pending_state_dict is not None:
             self._apply_pending_state_dict()
-        n = self._participating_world_size
-        local = self._vote_world_size >= self.config.min_replica_size and self._errored is None
+        plan = self._round
+        n = plan.num_participants if plan is not None else 0
+        errored = self._errored is not None
+        local = rules.local_vote(plan.vote_world_size if plan is not None else 0, self.config.min_replica_size,
+                                 errored)
         decision = self._vote(local, timeout if timeout is not None else self.config.timeout)
         self._transport.disallow_checkpoint()
-        if decision:
-            self._step += 1
-            self._batches_committed += n
-            self._commit_failures = 0
-        else:
-            self._commit_failures += 1
-            if local or self._errored is not None:  # not merely too few participants
-                self._break_pg()  # a peer may still wait on a collective this group skipped
+        errored = self._errored is not None  # the vote itself may have failed
+        self._state, actions = rules.on_vote(self._state, decision, local=local, errored=errored, num_participants=n,
+                                             max_retries=self.config.max_retries)
+        if not actions.committed:
+            if actions.break_pg:
+                self._break_pg()
             logger.warning("%s step not committed (participants %d, min %d, error %s); consecutive failures %d",
-                           self._prefix(), n, self.config.min_replica_size, self._errored, self._commit_failures)
+                           self._prefix(), n, self.config.min_replica_size, self._errored, self._state.commit_failures)
         self._emit("commit", committed=decision, num_participants=n)
-        max_retries = self.config.max_retries
-        if not decision and max_retries is not None and self._commit_failures > max_retries:
-            raise CommitError(f"{self._prefix()} {self._commit_failures} consecutive steps failed to commit "
-                              f"(max_retries={max_retries}); last error: {self._errored}")
+        if actions.give_up:
+            raise CommitError(f"{self._prefix()} {self._state.commit_failures} consecutive steps failed to commit "
+                              f"(max_retries={self.config.max_retries}); last error: {self._errored}")
         return decision
 
     def _vote(self, local: bool, timeout: timedelta | float) -> bool:
         cfg = self.config
         try:
             if self._server is not None:
-                return self._server.should_commit_local(cfg.group_rank, self._step, local, timeout)
-            return self._client.should_commit(cfg.group_rank, self._step, local, timeout)
+                return self._server.should_commit_local(cfg.group_rank, self._state.step, local, timeout)
+            return self._client.should_commit(cfg.group_rank, self._state.step, local, timeout)
         except FTError as exc:
             self.report_error(exc)
             return False
@@ -491,27 +472,26 @@ class Manager:
     # ----------------------------------------------------------------- accessors
 
     def current_step(self) -> int:
-        return self._step
+        return self._state.step
 
     def batches_committed(self) -> int:
-        return self._batches_committed
+        return self._state.batches_committed
 
     def participating_rank(self) -> int | None:
         """This group's rank among the contributing groups (None when healing or a spare)."""
         self.wait_quorum()
-        return self._participating_rank if self.is_participating() else None
+        return self._round.participating_rank if self.is_participating() and self._round is not None else None
 
     def num_participants(self) -> int:
         """Number of contributing groups this step (0 before the first quorum)."""
         if self._quorum_future is None:
             return 0
         self.wait_quorum()
-        return self._participating_world_size
+        return self._round.num_participants if self._round is not None else 0
 
     def is_participating(self) -> bool:
-        if self._participating_rank is None:
-            return False
-        return not (self._healing and self.config.use_async_quorum)
+        rank = self._round.participating_rank if self._round is not None else None
+        return rules.is_participating(rank, self._healing, self.config.use_async_quorum)
 
     @property
     def replica_id(self) -> str:
@@ -536,16 +516,15 @@ class Manager:
     # ----------------------------------------------------------------- events and lifecycle
 
     def _prefix(self) -> str:
-        return f"[{self.config.replica_id if hasattr(self, 'config') else '?'}/{self._group_rank_or_0()} - step {self._step}]"
-
-    def _group_rank_or_0(self) -> int:
-        return self.config.group_rank if hasattr(self, "config") else 0
+        cfg = getattr(self, "config", None)  # None while __init__ is still connecting
+        name, rank = (cfg.replica_id, cfg.group_rank) if cfg is not None else ("?", 0)
+        return f"[{name}/{rank} - step {self._state.step}]"
 
     def _emit(self, kind: str, **fields: Any) -> None:
         if not events.isEnabledFor(logging.INFO):
             return
         event = {"type": kind, "replica_id": self.config.replica_id, "group_rank": self.config.group_rank,
-                 "step": self._step, "time": time.time(), **fields}
+                 "step": self._state.step, "time": time.time(), **fields}
         events.info("%s %s %s", self._prefix(), kind, fields, extra={"ft_event": event})
 
     def shutdown(self, wait: bool = True) -> None:

@@ -15,30 +15,24 @@ from enum import Enum
 from os import PathLike, fspath
 from typing import Any
 
+import numpy as np
 import torch
 
-from ft_core.env import resolve, resolve_bool, resolve_int, resolve_seconds, resolve_str
+from ft_core import settings as ft_settings
 from ft_core.errors import ConfigError
+from ft_core.manager import Manager, WorldSizeMode
+from ft_core.process_groups import ProcessGroupGloo, ProcessGroupNCCL
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "gloo", "nccl")
-WORLD_SIZE_MODES = ("dynamic", "fixed_with_spares")
-
-
-def _choice(choices: tuple[str, ...], what: str, env: str):
-    def parse(raw: str) -> str:
-        value = str(raw).strip().lower().replace("-", "_")
-        if value not in choices:
-            raise ConfigError(f"{what}={raw!r} is not one of {'|'.join(choices)}; fix the argument or {env}")
-        return value
-    return parse
+BACKENDS = ft_settings.get("FT_BACKEND").choices
+WORLD_SIZE_MODES = ft_settings.get("FT_WORLD_SIZE_MODE").choices
 
 
 @dataclass(frozen=True)
 class FTSettings:
-    """Fault-tolerance settings of one replica group, resolved once: a set environment variable
-    overrides the argument, which overrides the default (the names match the Accelerate plugin)."""
+    """Fault-tolerance settings of one replica group, resolved once from ft_core.settings: a set environment
+    variable overrides the argument, which overrides the default (the names match the Accelerate plugin)."""
 
     lighthouse_addr: str | None
     replica_id: str | None
@@ -52,7 +46,7 @@ class FTSettings:
     token: str | None = field(repr=False)
     backend: str
     use_async_quorum: bool
-    manager_port: int | None
+    manager_port: int
 
     @classmethod
     def resolve(cls, *, lighthouse_addr: str | None = None, replica_id: str | None = None,
@@ -62,36 +56,32 @@ class FTSettings:
                 connect_timeout: timedelta | float | None = None, world_size_mode: str | None = None,
                 token: str | None = None, cross_group_backend: str | None = None,
                 use_async_quorum: bool | None = None, manager_port: int | None = None) -> FTSettings:
-        groups = resolve_int(num_replica_groups, "NUM_REPLICA_GROUPS", 1)
-        group = resolve_int(replica_group_id, "REPLICA_GROUP_ID", 0)
+        value = ft_settings.value
+        groups = value("NUM_REPLICA_GROUPS", num_replica_groups)
+        group = value("REPLICA_GROUP_ID", replica_group_id)
         if groups < 1:
             raise ConfigError(f"num_replica_groups (NUM_REPLICA_GROUPS) must be >= 1, got {groups}")
         if not 0 <= group < groups:
             raise ConfigError(f"replica_group_id (REPLICA_GROUP_ID) must be in 0..{groups - 1} for "
                               f"num_replica_groups={groups}, got {group}; set NUM_REPLICA_GROUPS to the number "
                               f"of replica groups")
-        min_size = resolve_int(min_replica_size, "FT_MIN_REPLICA_SIZE", 1)
+        min_size = value("FT_MIN_REPLICA_SIZE", min_replica_size)
         if min_size < 1:
             raise ConfigError(f"min_replica_size (FT_MIN_REPLICA_SIZE) must be >= 1, got {min_size}")
-        mode = resolve(world_size_mode, "FT_WORLD_SIZE_MODE", "dynamic",
-                       _choice(WORLD_SIZE_MODES, "world_size_mode", "FT_WORLD_SIZE_MODE"))
-        backend = resolve(cross_group_backend, "FT_BACKEND", "auto",
-                          _choice(BACKENDS, "cross_group_backend", "FT_BACKEND"))
-        sixty = timedelta(seconds=60)
         return cls(
-            lighthouse_addr=resolve_str(lighthouse_addr, "FT_LIGHTHOUSE", None),
+            lighthouse_addr=value("FT_LIGHTHOUSE", lighthouse_addr),
             replica_id=replica_id,
             replica_group_id=group,
             num_replica_groups=groups,
             min_replica_size=min_size,
-            timeout=resolve_seconds(timeout, "FT_TIMEOUT_SEC", sixty),
-            quorum_timeout=resolve_seconds(quorum_timeout, "FT_QUORUM_TIMEOUT_SEC", sixty),
-            connect_timeout=resolve_seconds(connect_timeout, "FT_CONNECT_TIMEOUT_SEC", sixty),
-            world_size_mode=_choice(WORLD_SIZE_MODES, "world_size_mode", "FT_WORLD_SIZE_MODE")(mode),
-            token=resolve_str(token, "FT_TOKEN", None),
-            backend=_choice(BACKENDS, "cross_group_backend", "FT_BACKEND")(backend),
-            use_async_quorum=resolve_bool(use_async_quorum, "FT_ASYNC_QUORUM", True),
-            manager_port=manager_port,
+            timeout=value("FT_TIMEOUT_SEC", timeout),
+            quorum_timeout=value("FT_QUORUM_TIMEOUT_SEC", quorum_timeout),
+            connect_timeout=value("FT_CONNECT_TIMEOUT_SEC", connect_timeout),
+            world_size_mode=value("FT_WORLD_SIZE_MODE", world_size_mode),
+            token=value("FT_TOKEN", token),
+            backend=value("FT_BACKEND", cross_group_backend),
+            use_async_quorum=value("FT_ASYNC_QUORUM", use_async_quorum),
+            manager_port=value("FT_MANAGER_PORT", manager_port),
         )
 
     def group_dir_name(self) -> str:
@@ -105,21 +95,14 @@ class FTSettings:
 
 
 def cross_group_backend(settings: FTSettings, device: torch.device) -> str:
-    if settings.backend == "auto":
-        return "nccl" if device.type == "cuda" else "gloo"
-    if settings.backend == "nccl" and device.type != "cuda":
-        raise ConfigError(f"cross_group_backend='nccl' needs CUDA devices, but this rank runs on {device}; "
-                          f"use 'gloo' or 'auto' (FT_BACKEND)")
-    return settings.backend
+    """The cross-group backend ("gloo" or "nccl") of this rank, resolved as for core-API users."""
+    return ft_settings.cross_group_backend(device.type, settings.backend, environ={})
 
 
 def create_manager(settings: FTSettings, *, group_rank: int, group_world_size: int, device: torch.device,
                    store_addr: str | None = None, store_port: int | None = None,
                    extra: dict[str, Any] | None = None) -> Any:
     """A Manager for this rank of the replica group, with a cross-group process group of the chosen backend."""
-    from ft_core.manager import Manager, WorldSizeMode
-    from ft_core.process_groups import ProcessGroupGloo, ProcessGroupNCCL
-
     backend = cross_group_backend(settings, device)
     pg = ProcessGroupNCCL(timeout=settings.timeout) if backend == "nccl" else ProcessGroupGloo(timeout=settings.timeout)
     mode = WorldSizeMode.FIXED_WITH_SPARES if settings.world_size_mode == "fixed_with_spares" else WorldSizeMode.DYNAMIC
@@ -159,8 +142,6 @@ def to_transport(obj: Any, *, clone: bool = False, where: str = "state") -> Any:
     if isinstance(obj, PathLike):
         return fspath(obj)
     if type(obj).__module__ == "numpy":
-        import numpy as np
-
         if isinstance(obj, np.ndarray):
             return obj.copy() if clone else obj
         if isinstance(obj, np.generic):

@@ -20,14 +20,14 @@ from typing import Any
 
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
+from ft_core.data import global_shard
+
 logger = logging.getLogger(__name__)
 
 
 def training_shard(num_replica_groups: int, replica_group_id: int, group_world_size: int,
                    group_rank: int) -> dict[str, int]:
     """`DistributedSampler` kwargs for the training loader of one process."""
-    from ft_core.data import global_shard
-
     rank, world = global_shard(replica_group_id, num_replica_groups, group_rank, group_world_size)
     return {"num_replicas": world, "rank": rank}
 

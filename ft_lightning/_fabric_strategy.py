@@ -20,6 +20,7 @@ import atexit
 import logging
 from typing import Any
 
+from ft_core.ddp import register_comm_hook
 from ft_lightning._common import (
     capture_rng,
     create_manager,
@@ -28,6 +29,7 @@ from ft_lightning._common import (
     restore_rng,
     to_transport,
 )
+from ft_lightning._data import training_shard
 from ft_lightning._strategy_base import FTStrategyBase
 
 logger = logging.getLogger(__name__)
@@ -56,8 +58,6 @@ class FaultTolerantFabricMixin(FTStrategyBase):
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Shards across every process of every replica group (Fabric's `setup_dataloaders`)."""
-        from ft_lightning._data import training_shard
-
         s = self._ft_settings
         return training_shard(s.num_replica_groups, s.replica_group_id, self.world_size,  # type: ignore[attr-defined]
                               self.global_rank)  # type: ignore[attr-defined]
@@ -84,8 +84,6 @@ class FaultTolerantFabricMixin(FTStrategyBase):
         atexit.register(self.shutdown)
 
     def setup_module(self, module: Any) -> Any:
-        from ft_core.ddp import register_comm_hook
-
         ddp = super().setup_module(module)  # type: ignore[misc]
         register_comm_hook(ddp, self.manager)
         ddp.register_forward_pre_hook(self._before_forward)

@@ -14,6 +14,7 @@ Kept free of heavy imports (no importlib.abc, no Lightning, no torch): it may ru
 
 from __future__ import annotations
 
+import importlib  # already imported by ft_lightning/__init__.py: free here
 import sys
 
 TYPE_CHECKING = False  # typing costs ~5 ms at start-up; annotations only
@@ -49,8 +50,6 @@ def register(namespace: str, cls: Any = None) -> bool:
     if cls is None and _importing(ours):
         return False  # it registers itself at the end of its import
     try:
-        import importlib
-
         if cls is None:
             cls = getattr(importlib.import_module(ours), class_name)
         registry = getattr(importlib.import_module(registry_module), registry_name)

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from ft_core.ddp import register_comm_hook
 from ft_lightning import _data, _dirs, _progress
 from ft_lightning._common import (
     capture_rng,
@@ -98,8 +99,6 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
         # Lightning registers comm hooks on CUDA only; ours must run on every device.
         if self._manager is None:
             return super()._register_ddp_hooks()  # type: ignore[misc]
-        from ft_core.ddp import register_comm_hook
-
         register_comm_hook(self.model, self._manager)  # type: ignore[attr-defined]
 
     # ---- the step ---------------------------------------------------------------------------

@@ -42,7 +42,7 @@ ENV_CASES = [
     # (variable, raw value, field, resolved value)
     ("FT_LIGHTHOUSE", "10.0.0.1:29510,10.0.0.2:29510", "lighthouse", "10.0.0.1:29510,10.0.0.2:29510"),
     ("TORCHFT_LIGHTHOUSE", "10.0.0.3:1", "lighthouse", "10.0.0.3:1"),
-    ("REPLICA_GROUP_ID", "2", "replica_id", 2),
+    ("REPLICA_GROUP_ID", "2", "replica_group_id", 2),
     ("NUM_REPLICA_GROUPS", "4", "num_replica_groups", 4),
     ("FT_MIN_REPLICA_SIZE", "2", "min_replica_size", 2),
     ("FT_TIMEOUT_SEC", "2.5", "timeout", 2.5),
@@ -62,7 +62,7 @@ ENV_CASES = [
 @pytest.mark.parametrize("var,raw,name,expected", ENV_CASES)
 def test_plugin_reads_each_setting_from_its_environment_variable(clean_env, var, raw, name, expected):
     clean_env.setenv("FT_LIGHTHOUSE" if name != "lighthouse" else "UNUSED_X", LH)
-    if name == "replica_id":
+    if name == "replica_group_id":
         clean_env.setenv("NUM_REPLICA_GROUPS", "3")
     clean_env.setenv(var, raw)
     plugin = FaultTolerancePlugin()
@@ -84,7 +84,7 @@ def test_environment_overrides_arguments_which_override_defaults(clean_env):
 def test_plugin_defaults(clean_env):
     plugin = FaultTolerancePlugin(lighthouse=LH)
     assert plugin.settings() == {
-        "lighthouse": LH, "replica_id": 0, "num_replica_groups": 1, "min_replica_size": 1, "timeout": 60.0,
+        "lighthouse": LH, "replica_group_id": 0, "num_replica_groups": 1, "min_replica_size": 1, "timeout": 60.0,
         "quorum_timeout": 60.0, "connect_timeout": 60.0, "world_size_mode": "dynamic", "backend": "auto",
         "async_quorum": True, "token": None}
 
@@ -168,8 +168,8 @@ LAUNCH_CASES = [
     ({"lighthouse": "f:1"}, {"FT_LIGHTHOUSE": "e:1"}, {}, {"lighthouse": "e:1"}, {"lighthouse": "env FT_LIGHTHOUSE"}),
     ({"lighthouse": "f:1"}, {"FT_LIGHTHOUSE": "e:1"}, {"lighthouse": "c:1"}, {"lighthouse": "c:1"},
      {"lighthouse": "flag"}),
-    ({}, {}, {"replica_id": "1", "async_quorum": "false"}, {"replica_id": 1, "async_quorum": False},
-     {"replica_id": "flag", "async_quorum": "flag"}),
+    ({}, {}, {"replica_group_id": "1", "async_quorum": "false"}, {"replica_group_id": 1, "async_quorum": False},
+     {"replica_group_id": "flag", "async_quorum": "flag"}),
     ({}, {}, {}, {}, {}),
 ]
 
@@ -180,7 +180,7 @@ def test_launch_precedence_is_flag_then_environment_then_config_file(file_values
 
 
 def test_settings_travel_as_environment_variables_the_plugin_reads_back(clean_env):
-    values = {"lighthouse": LH, "replica_id": 1, "num_replica_groups": 2, "timeout": 2.5, "async_quorum": False,
+    values = {"lighthouse": LH, "replica_group_id": 1, "num_replica_groups": 2, "timeout": 2.5, "async_quorum": False,
               "world_size_mode": "fixed_with_spares", "backend": "gloo", "min_replica_size": 2,
               "quorum_timeout": 7.0, "connect_timeout": 3.0, "token": "abc"}
     env = settings_to_env(values)

@@ -32,6 +32,10 @@ MAX_NDIM = 64
 MAX_DIM = 1 << 48
 MAX_CHUNKS = 1 << 20
 DEFAULT_CHUNK_BYTES = 16 << 20
+# the HTTP transport's server and client
+SOCKET_BUFFER_BYTES = 4 << 20
+PIECE_BYTES = 1 << 20  # hashing granularity: small enough to hash while the piece is in cache
+MAX_ERROR_BODY = 4096
 
 # Allow-list of tensor dtypes by wire name; names missing from this torch build are skipped.
 _TORCH_DTYPE_NAMES = (

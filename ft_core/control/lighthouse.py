@@ -18,20 +18,21 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 
-from ft_core.env import resolve_str
+from ft_core import settings
 from ft_core.errors import ConfigError
+from ft_core.control.lighthouse_http import LighthouseMetrics, StatusHTTPServer
 from ft_core.control.lighthouse_state import LighthouseConfig, LighthouseCore, Waiter
 from ft_core.control.proto import ft_pb2
 from ft_core.control.quorum import member_problem, replica_id_problem
-from ft_core.control.rpc import SERVER_OPTIONS, add_server_port, normalize_address, token_matches
+from ft_core.control.rpc import SERVER_OPTIONS, add_server_port, token_matches
 from ft_core.control.types import QuorumMember
+from ft_core.net import dial_host, format_host_port, split_host_port
 
 logger = logging.getLogger(__name__)
 
@@ -174,21 +175,6 @@ class _LighthouseService:
                 self._core.stream_closed(replica_id, token, why)
 
 
-def split_host_port(addr: str, what: str) -> tuple[str, int]:
-    """`host:port` (or `[v6]:port`) into its parts, with a clear error."""
-    host, sep, port = normalize_address(addr).rpartition(":")
-    if not sep or not port.isdigit():
-        raise ConfigError(f"{what} {addr!r} is not HOST:PORT (e.g. 127.0.0.1:29510; port 0 picks a free one)")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
-def client_host(host: str) -> str:
-    """The host a client should dial for a server bound to `host`."""
-    if host in ("0.0.0.0", "::", ""):
-        return socket.gethostname()
-    return f"[{host}]" if ":" in host else host
-
-
 class LighthouseServer:
     """The quorum server: gRPC service and tick on an event loop thread, plus HTTP status/metrics.
 
@@ -198,13 +184,11 @@ class LighthouseServer:
     def __init__(self, bind: str = "127.0.0.1:0", min_replicas: int = 1, join_timeout_ms: int = 60_000,
                  quorum_tick_ms: int = 100, heartbeat_timeout_ms: int = 5_000, token: str | None = None,
                  http_bind: str | None = "127.0.0.1:0") -> None:
-        from ft_core.control.lighthouse_http import LighthouseMetrics, StatusHTTPServer
-
         self.config = LighthouseConfig(bind=bind, http_bind=http_bind, min_replicas=min_replicas,
                                        join_timeout_ms=join_timeout_ms, quorum_tick_ms=quorum_tick_ms,
                                        heartbeat_timeout_ms=heartbeat_timeout_ms,
-                                       token=resolve_str(token, "FT_TOKEN", None))
-        self._host, self._requested_port = split_host_port(bind, "lighthouse bind address")
+                                       token=settings.value("FT_TOKEN", token))
+        self._host, self._requested_port = split_host_port(bind, "lighthouse bind address", hint="port 0 picks a free one")
         self.metrics = LighthouseMetrics()
         self.core = LighthouseCore(self.config, self.metrics)
         self.metrics.track(self.core)
@@ -222,7 +206,7 @@ class LighthouseServer:
         except BaseException:
             self.shutdown()
             raise
-        self._address = f"{client_host(self._host)}:{port}"
+        self._address = format_host_port(dial_host(self._host), port)
         logger.info("lighthouse listening on %s (status %s), %s", self._address, self.http_address() or "off",
                     self.config, extra={"event": "lighthouse_start"})
 
@@ -236,9 +220,8 @@ class LighthouseServer:
                                  options=SERVER_OPTIONS)
         handlers = service.handlers()
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-        host = f"[{self._host}]" if ":" in self._host else self._host
         try:
-            port = add_server_port(server, f"{host}:{self._requested_port}")  # TLS when FT_TLS_CERT/KEY are set
+            port = add_server_port(server, format_host_port(self._host, self._requested_port))  # TLS when FT_TLS_CERT/KEY are set
         except RuntimeError as exc:
             raise ConfigError(f"lighthouse could not bind {self.config.bind}: {exc}; is the port in use?") from exc
         if not port:

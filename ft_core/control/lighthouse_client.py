@@ -12,17 +12,18 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import grpc
 
-from ft_core.env import resolve_str
+from ft_core import settings
 from ft_core.errors import ConfigError, FTTimeoutError, RPCError
 from ft_core.control.proto import ft_pb2, ft_pb2_grpc
-from ft_core.control.rpc import (CHANNEL_OPTIONS, auth_metadata, backoff_delays, call, map_rpc_error, open_channel, seconds,
-                         split_addresses)
+from ft_core.control.rpc import CHANNEL_OPTIONS, auth_metadata, backoff_delays, call, map_rpc_error, open_channel, seconds
 from ft_core.control.types import Quorum, QuorumMember
+from ft_core.net import split_addresses
 
 logger = logging.getLogger(__name__)
 
@@ -67,17 +68,35 @@ def wait_ready(channel: grpc.Channel, timeout_s: float) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class LighthouseClientConfig:
+    """A lighthouse client's settings, resolved once from ft_core.settings (FT_CONNECT_TIMEOUT_SEC and
+    FT_TOKEN override the arguments)."""
+
+    addrs: tuple[str, ...]
+    connect_timeout: timedelta
+    token: str | None = field(default=None, repr=False)
+
+
+def resolve_client_config(addrs: str | list[str], connect_timeout: timedelta | float | None,
+                          token: str | None) -> LighthouseClientConfig:
+    parsed = split_addresses(addrs)
+    if not parsed:
+        raise ConfigError(f"no lighthouse address in {addrs!r}: pass host:port (or several, comma-separated), "
+                          f"or set FT_LIGHTHOUSE")
+    return LighthouseClientConfig(tuple(parsed), settings.value("FT_CONNECT_TIMEOUT_SEC", connect_timeout),
+                                  settings.value("FT_TOKEN", token))
+
+
 class LighthouseClient:
     """Talks to one lighthouse, or the first reachable of several; a context manager."""
 
-    def __init__(self, addrs: str | list[str], connect_timeout: timedelta = timedelta(seconds=10),
+    def __init__(self, addrs: str | list[str], connect_timeout: timedelta | float | None = None,
                  token: str | None = None) -> None:
-        self._addrs = split_addresses(addrs)
-        if not self._addrs:
-            raise ConfigError(f"no lighthouse address in {addrs!r}: pass host:port (or several, comma-separated), "
-                              f"or set FT_LIGHTHOUSE")
-        self._connect_timeout_s = seconds(connect_timeout)
-        self._token = resolve_str(token, "FT_TOKEN", None)
+        self.config = resolve_client_config(addrs, connect_timeout, token)
+        self._addrs = list(self.config.addrs)
+        self._connect_timeout_s = seconds(self.config.connect_timeout)
+        self._token = self.config.token
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, ft_pb2_grpc.LighthouseServiceStub] = {}

@@ -27,7 +27,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from ft_core.errors import ConfigError, FTError, RPCError
 from ft_core.control.proto import ft_pb2, ft_pb2_grpc
-from ft_core.control.rpc import CHANNEL_OPTIONS, call, normalize_address, open_channel, server_ssl_context, token_matches
+from ft_core.control.rpc import CHANNEL_OPTIONS, call, open_channel, server_ssl_context, token_matches
+from ft_core.net import dial_host, format_host_port, normalize_address, split_host_port
 
 logger = logging.getLogger(__name__)
 
@@ -200,15 +201,13 @@ class StatusHTTPServer:
     """Serves the routes above from a named thread; `shutdown()` stops it."""
 
     def __init__(self, bind: str, core: Any, metrics: LighthouseMetrics, token: str | None) -> None:
-        from ft_core.control.lighthouse import client_host, split_host_port
-
-        host, port = split_host_port(bind, "lighthouse HTTP bind address")
+        host, port = split_host_port(bind, "lighthouse HTTP bind address", hint="port 0 picks a free one")
         try:
             self._server = _Server((host, port), core, metrics, token)
         except OSError as exc:
             raise ConfigError(f"lighthouse HTTP could not bind {bind}: {exc}; is the port in use?") from exc
         scheme = "https" if self._server.ssl_context is not None else "http"
-        self._address = f"{scheme}://{client_host(host)}:{self._server.server_address[1]}"
+        self._address = f"{scheme}://{format_host_port(dial_host(host), self._server.server_address[1])}"
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
                                         name="ftl-lighthouse-http", daemon=True)
         self._thread.start()

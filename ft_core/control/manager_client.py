@@ -10,7 +10,7 @@ from datetime import timedelta
 from typing import Any
 
 from ft_core.control import rpc
-from ft_core.env import resolve_str
+from ft_core import settings
 from ft_core.errors import ConfigError
 from ft_core.control.proto import ft_pb2, ft_pb2_grpc
 from ft_core.control.recovery import QuorumResult
@@ -53,7 +53,7 @@ class ManagerClient:
         self._addr = rpc.normalize_address(addr)
         if not self._addr:
             raise ConfigError("ManagerClient needs the manager server address (host:port)")
-        self._token = resolve_str(token, "FT_TOKEN", None) or None
+        self._token = settings.value("FT_TOKEN", token) or None
         self._channel = rpc.connect(self._addr, connect_timeout, call_name=f"connect to manager server {self._addr}")
         self._stub = ft_pb2_grpc.ManagerServiceStub(self._channel)
 

@@ -25,10 +25,12 @@ from typing import Any
 
 import grpc
 
+from ft_core import settings
+from ft_core import net
 from ft_core.control import rpc
-from ft_core.env import lookup, resolve_bool, resolve_int, resolve_seconds, resolve_str
-from ft_core.errors import ConfigError, FTError, FTTimeoutError, QuorumError, RPCError
+from ft_core.control.lighthouse_client import LighthouseClient
 from ft_core.control.manager_client import ManagerClient, result_to_pb
+from ft_core.errors import ConfigError, FTError, FTTimeoutError, QuorumError, RPCError
 from ft_core.control.proto import ft_pb2, ft_pb2_grpc
 from ft_core.control.recovery import QuorumResult, compute_recovery_plan
 from ft_core.control.types import Quorum, QuorumMember
@@ -51,7 +53,7 @@ def answer_by(timeout_s: float) -> float:
 
 @dataclass(frozen=True)
 class ManagerServerConfig:
-    """Resolved settings of one manager server (environment overrides arguments)."""
+    """Resolved settings of one manager server (ft_core.settings: environment overrides arguments)."""
 
     replica_id: str
     lighthouse_addrs: tuple[str, ...]
@@ -71,30 +73,29 @@ class ManagerServerConfig:
 
 
 def resolve_config(replica_id: str, lighthouse_addr: str | list[str] | None, hostname: str, bind: str,
-                   store_addr: str, world_size: int, heartbeat_interval: timedelta, connect_timeout: timedelta,
-                   quorum_retries: int, token: str | None, allow_kill: bool | None) -> ManagerServerConfig:
+                   store_addr: str, world_size: int, heartbeat_interval: timedelta,
+                   connect_timeout: timedelta | float | None, quorum_retries: int | None, token: str | None,
+                   allow_kill: bool | None) -> ManagerServerConfig:
     """Validate arguments and apply FT_* overrides; raises ConfigError naming the bad setting."""
     if not replica_id:
         raise ConfigError("ManagerServer needs a non-empty replica_id (the replica group's name)")
     addr_arg = ",".join(lighthouse_addr) if isinstance(lighthouse_addr, (list, tuple)) else lighthouse_addr
-    addrs = rpc.split_addresses(resolve_str(addr_arg, "FT_LIGHTHOUSE", None) or "")
+    addrs = rpc.split_addresses(settings.value("FT_LIGHTHOUSE", addr_arg) or "")
     if not addrs:
         raise ConfigError("ManagerServer needs a lighthouse address: pass lighthouse_addr='host:port[,host:port]' "
                           "or set FT_LIGHTHOUSE")
     if world_size < 1:
         raise ConfigError(f"ManagerServer world_size must be >= 1 (ranks in the replica group), got {world_size}")
-    retries = resolve_int(quorum_retries, "FT_QUORUM_RETRIES", 0)
+    retries = settings.value("FT_QUORUM_RETRIES", quorum_retries)
     if retries < 0:
         raise ConfigError(f"quorum_retries must be >= 0, got {retries}")
     if rpc.seconds(heartbeat_interval) <= 0:
         raise ConfigError(f"heartbeat_interval must be positive, got {heartbeat_interval}")
-    explicit_kill = allow_kill is not None or lookup("FT_ALLOW_KILL") is not None
-    allow = resolve_bool(allow_kill, "FT_ALLOW_KILL", False) if explicit_kill else None
     return ManagerServerConfig(
         replica_id=replica_id, lighthouse_addrs=tuple(addrs), hostname=hostname, bind=bind, store_addr=store_addr,
         world_size=world_size, heartbeat_interval=heartbeat_interval,
-        connect_timeout=resolve_seconds(connect_timeout, "FT_CONNECT_TIMEOUT_SEC", timedelta(seconds=10)),
-        quorum_retries=retries, token=resolve_str(token, "FT_TOKEN", None) or None, allow_kill=allow)
+        connect_timeout=settings.value("FT_CONNECT_TIMEOUT_SEC", connect_timeout), quorum_retries=retries,
+        token=settings.value("FT_TOKEN", token) or None, allow_kill=settings.value("FT_ALLOW_KILL", allow_kill))
 
 
 @dataclass
@@ -137,10 +138,8 @@ class ManagerServer:
     def __init__(self, replica_id: str, lighthouse_addr: str | list[str] | None, hostname: str = "127.0.0.1",
                  bind: str = "127.0.0.1:0", store_addr: str = "", world_size: int = 1,
                  heartbeat_interval: timedelta = timedelta(milliseconds=100),
-                 connect_timeout: timedelta = timedelta(seconds=10), quorum_retries: int = 0,
+                 connect_timeout: timedelta | float | None = None, quorum_retries: int | None = None,
                  token: str | None = None, allow_kill: bool | None = None) -> None:
-        from ft_core.control.lighthouse_client import LighthouseClient  # built in parallel; imported where used
-
         self.config = resolve_config(replica_id, lighthouse_addr, hostname, bind, store_addr, world_size,
                                      heartbeat_interval, connect_timeout, quorum_retries, token, allow_kill)
         self._client_cls = LighthouseClient
@@ -171,7 +170,7 @@ class ManagerServer:
                               f"pick a free port or port 0") from None
         if not port:
             raise ConfigError(f"manager server could not bind {cfg.bind!r}; pick a free port or port 0")
-        self._address = f"{cfg.hostname}:{port}"
+        self._address = net.format_host_port(cfg.hostname, port)
         self._server.start()
         try:
             self._start_heartbeats()

@@ -18,8 +18,9 @@ from typing import Any, Callable
 
 import grpc
 
-from ft_core.env import resolve_str
+from ft_core import settings
 from ft_core.errors import AuthError, ConfigError, FTTimeoutError, RPCError
+from ft_core.net import normalize_address, split_addresses  # noqa: F401 - also used as rpc.split_addresses
 
 TOKEN_METADATA_KEY = "authorization"
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # control-plane messages are small; bigger ones are rejected
@@ -48,20 +49,6 @@ SERVER_OPTIONS = [
 def seconds(value: timedelta | float) -> float:
     """A timeout as float seconds."""
     return value.total_seconds() if isinstance(value, timedelta) else float(value)
-
-
-def normalize_address(addr: str) -> str:
-    """Accept `host:port`, `http://host:port` or `grpc://host:port`; return `host:port`."""
-    for prefix in ("http://", "https://", "grpc://"):
-        if addr.startswith(prefix):
-            addr = addr[len(prefix):]
-    return addr.rstrip("/")
-
-
-def split_addresses(addrs: str | list[str] | tuple[str, ...]) -> list[str]:
-    """A comma-separated string or a list of addresses, normalized, empties dropped."""
-    items = addrs.split(",") if isinstance(addrs, str) else list(addrs)
-    return [normalize_address(a.strip()) for a in items if a and a.strip()]
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
@@ -203,8 +190,8 @@ class TLSConfig:
 def tls_config(cert_file: str | None = None, key_file: str | None = None,
                ca_file: str | None = None) -> TLSConfig:
     """TLS settings: FT_TLS_CERT / FT_TLS_KEY / FT_TLS_CA override the arguments; all unset means plaintext."""
-    return TLSConfig(resolve_str(cert_file, "FT_TLS_CERT", None), resolve_str(key_file, "FT_TLS_KEY", None),
-                     resolve_str(ca_file, "FT_TLS_CA", None))
+    return TLSConfig(settings.value("FT_TLS_CERT", cert_file), settings.value("FT_TLS_KEY", key_file),
+                     settings.value("FT_TLS_CA", ca_file))
 
 
 def _read(path: str) -> bytes:

@@ -32,13 +32,14 @@ from torch._C._distributed_c10d import (
 )
 from torch._C._distributed_c10d import ProcessGroup as _C10dProcessGroup
 
-from ft_core.env import resolve_seconds
+from ft_core import settings
 from ft_core.errors import FTTimeoutError, ProcessGroupError
-from ft_core.process_groups.child import error_kind, parse_store_addr
+from ft_core.net import parse_store_addr
+from ft_core.process_groups.child import error_kind
 
 logger = logging.getLogger("ft_core.process_groups")
 
-DEFAULT_TIMEOUT = timedelta(seconds=60)
+DEFAULT_TIMEOUT: timedelta = settings.get("FT_TIMEOUT_SEC").default
 COLLECTIVES = ("allreduce", "allreduce_coalesced", "allgather", "allgather_into_tensor_coalesced",
                "alltoall_base", "barrier", "broadcast", "reduce_scatter", "reduce_scatter_tensor_coalesced",
                "send", "recv")
@@ -246,7 +247,7 @@ class ProcessGroup(_C10dProcessGroup):
 
     def __init__(self, timeout: timedelta | float | None = None) -> None:
         super().__init__(0, 1)
-        self._timeout = resolve_seconds(timeout, "FT_TIMEOUT_SEC", DEFAULT_TIMEOUT)
+        self._timeout = settings.value("FT_TIMEOUT_SEC", timeout)
         self._rank = 0
         self._world_size = 1
         self._group_name = ""

@@ -1,7 +1,7 @@
 """The child side of the subprocess ("Baby") process groups, plus the op encoding both sides share.
 
-This module is what a spawned child imports, so it imports only the standard library and torch:
-a child must start fast and must not pull in the rest of ft_core.
+This module is what a spawned child imports, so it imports only the standard library, torch and the
+small ft_core.net: a child must start fast and must not pull in the rest of ft_core.
 
 Wire protocol (over two one-way multiprocessing pipes, local to this machine):
   parent -> child: ("op", op_id, name, args, opts, ready_event) | ("shutdown",)
@@ -34,6 +34,9 @@ from torch._C._distributed_c10d import (
     ReduceScatterOptions,
     TCPStore,
 )
+from torch._C._distributed_c10d import ProcessGroup as C10dGroup
+
+from ft_core.net import parse_store_addr
 
 # Error messages from gloo/NCCL/the store that mean "a deadline passed" rather than "something broke".
 _TIMEOUT_MARKERS = ("timed out", "timeout", "deadline")
@@ -50,23 +53,6 @@ def error_kind(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError) or is_timeout_message(str(exc)):
         return "timeout"
     return "error"
-
-
-def parse_store_addr(store_addr: str) -> tuple[str, int, str]:
-    """Split 'host:port/prefix' into its parts; the prefix may itself contain '/'."""
-    if not isinstance(store_addr, str) or "/" not in store_addr:
-        raise ValueError(f"store address {store_addr!r} must look like 'host:port/prefix' "
-                         "(for example '127.0.0.1:29500/ft/3/0')")
-    hostport, prefix = store_addr.split("/", 1)
-    host, sep, port_text = hostport.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port_text.isdigit() or not prefix:
-        raise ValueError(f"store address {store_addr!r} must look like 'host:port/prefix' "
-                         "with a numeric port and a non-empty prefix")
-    port = int(port_text)
-    if not 0 < port < 65536:
-        raise ValueError(f"store address {store_addr!r} has port {port} outside 1-65535")
-    return host, port, prefix
 
 
 def connect_store(store_addr: str, timeout: timedelta) -> PrefixStore:
@@ -210,8 +196,6 @@ def run_op(pg: Any, name: str, args: tuple, opts_dict: dict[str, Any]) -> Any:
 def as_c10d_group(store: Any, rank: int, world_size: int, backend: Any, kind: str, devices: list[str]) -> Any:
     """Put a backend behind a c10d ProcessGroup: its dispatcher adds the coalesced/tensor variants
     (allgather_into_tensor_coalesced, reduce_scatter_tensor_coalesced) the bare backend lacks."""
-    from torch._C._distributed_c10d import ProcessGroup as C10dGroup
-
     backend_type = getattr(C10dGroup.BackendType, kind)
     group = C10dGroup(store, rank, world_size)
     group._set_default_backend(backend_type)

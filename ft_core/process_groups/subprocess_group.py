@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ft_core.env import resolve_seconds, resolve_str
-from ft_core.errors import ConfigError, FTTimeoutError, ProcessGroupError
+from ft_core import settings
+from ft_core.errors import FTTimeoutError, ProcessGroupError
 from ft_core.process_groups.base import (
     FutureWork,
     ProcessGroup,
@@ -44,11 +44,11 @@ from ft_core.process_groups.child import main as child_main
 
 logger = logging.getLogger("ft_core.process_groups")
 
-DEFAULT_START_TIMEOUT = timedelta(seconds=60)
+DEFAULT_START_TIMEOUT: timedelta = settings.get("FT_BABY_START_TIMEOUT_SEC").default
 # How children start. Both give a fresh interpreter (never a fork of the trainer with its threads
 # and CUDA state): "forkserver" forks each child from one preloaded server (fast reconfigure),
 # "spawn" starts each child from scratch (imports torch every time).
-START_METHODS = ("forkserver", "spawn")
+START_METHODS = settings.get("FT_BABY_START_METHOD").choices  # ("forkserver", "spawn")
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -251,12 +251,8 @@ class ProcessGroupBaby(ProcessGroup):
     def __init__(self, timeout: timedelta | float | None = None,
                  start_timeout: timedelta | float | None = None, start_method: str | None = None) -> None:
         super().__init__(timeout)
-        self._start_timeout = resolve_seconds(start_timeout, "FT_BABY_START_TIMEOUT_SEC", DEFAULT_START_TIMEOUT)
-        method = resolve_str(start_method, "FT_BABY_START_METHOD", "forkserver")
-        if method not in START_METHODS:
-            raise ConfigError(f"start_method {method!r} is not one of {', '.join(START_METHODS)} "
-                              "(check FT_BABY_START_METHOD)")
-        self._start_method = method
+        self._start_timeout = settings.value("FT_BABY_START_TIMEOUT_SEC", start_timeout, where="start_timeout")
+        self._start_method = settings.value("FT_BABY_START_METHOD", start_method, where="start_method")
         self._child: _Child | None = None
         self._lock = threading.Lock()
         self._aborted: Exception | None = None

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ft_core.checkpointing.http_transport import HTTPTransport
+from ft_core.checkpointing import HTTPTransport
 from ft_core.ddp import DistributedDataParallel
 from ft_core.errors import FTError
 from ft_core.manager import Manager, WorldSizeMode

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ft_core.control.lighthouse import LighthouseServer
 from ft_core.tools.launcher import (LOOPBACK, GroupState, GroupStatus, LaunchEvent, Launcher, StopSignals, describe_exit,
                               free_port, group_env)
 
@@ -170,10 +171,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def start_lighthouse(min_replicas: int, token: str | None, join_timeout_ms: int | None = None,
-                     heartbeat_timeout_ms: int | None = None) -> Any:
+                     heartbeat_timeout_ms: int | None = None) -> LighthouseServer:
     """An embedded lighthouse on loopback, port chosen by the OS (caller owns `.shutdown()`)."""
-    from ft_core.control.lighthouse import LighthouseServer
-
     kwargs: dict[str, Any] = {"bind": f"{LOOPBACK}:0", "min_replicas": min_replicas, "token": token}
     if join_timeout_ms is not None:
         kwargs["join_timeout_ms"] = join_timeout_ms

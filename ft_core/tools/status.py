@@ -17,8 +17,9 @@ import urllib.request
 from http.client import HTTPException
 from typing import Any
 
+from ft_core.control.rpc import client_ssl_context
 from ft_core.errors import AuthError, ConfigError, RPCError
-from ft_core.control.rpc import client_ssl_context, normalize_address
+from ft_core.net import format_host_port, split_host_port
 
 DEFAULT_STATUS_URL = "http://127.0.0.1:29511"
 
@@ -34,12 +35,11 @@ def status_urls(addr: str | None) -> list[str]:
             base = item.rstrip("/")
             urls.append(base.removesuffix("/status"))
             continue
-        host, sep, port = normalize_address(item).rpartition(":")
-        if not sep or not port.isdigit():
-            raise ConfigError(f"ftl status: {item!r} is not HOST:PORT or http://HOST:PORT")
+        host, port = split_host_port(item, "ftl status: lighthouse address",
+                                     hint="or give the status server as http://HOST:PORT")
         scheme = "https" if client_ssl_context() is not None else "http"  # a CA configured: the job uses TLS
-        urls.append(f"{scheme}://{host}:{port}")
-        urls.append(f"{scheme}://{host}:{int(port) + 1}")
+        urls.append(f"{scheme}://{format_host_port(host, port)}")
+        urls.append(f"{scheme}://{format_host_port(host, port + 1)}")
     if not urls:
         raise ConfigError(f"ftl status: no address in {raw!r}")
     return list(dict.fromkeys(urls))

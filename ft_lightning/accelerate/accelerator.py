@@ -27,8 +27,11 @@ from accelerate.data_loader import prepare_data_loader
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
+from ft_core import ddp
+from ft_core.data import global_shard
 from ft_core.errors import ConfigError
-from ft_core.process_groups.wrappers import ProcessGroupDelegate
+from ft_core.manager import Manager, WorldSizeMode
+from ft_core.process_groups import ProcessGroupDelegate, ProcessGroupGloo, ProcessGroupNCCL
 from ft_lightning.accelerate.plugin import FaultTolerancePlugin
 from ft_lightning.accelerate.state import check_transport_safe, load_rng_state, rng_state
 
@@ -104,7 +107,7 @@ class FaultTolerantAccelerator(Accelerator):
         self._ft_window = _Window()
         self._ft_counts = {"model": 0, "optimizer": 0, "scheduler": 0, "commits": 0, "skipped": 0}
         self._ft_final_step = 0
-        logger.info("replica group %s, group rank %d/%d: %s", self.ft.replica_id, self.process_index,
+        logger.info("replica group %s, group rank %d/%d: %s", self.ft.replica_group_id, self.process_index,
                     self.num_processes, self.ft.describe())
         self._ft_rng_at_window_start: dict[str, Any] = rng_state()
         self.ft_manager = self._create_manager()
@@ -127,13 +130,11 @@ class FaultTolerantAccelerator(Accelerator):
 
     def _create_process_group(self) -> Any:
         """The cross-group process group the Manager reconfigures on each quorum change (counted)."""
-        from ft_core.process_groups import backends as process_group
-
         timeout = self.ft.timedelta("timeout")
         if self._cross_group_backend() == "nccl":
-            pg = process_group.ProcessGroupNCCL(timeout=timeout)
+            pg = ProcessGroupNCCL(timeout=timeout)
         else:
-            pg = process_group.ProcessGroupGloo(timeout=timeout)
+            pg = ProcessGroupGloo(timeout=timeout)
         return CountingProcessGroup(pg)
 
     def _group_store(self) -> tuple[str | None, int | None]:
@@ -147,8 +148,6 @@ class FaultTolerantAccelerator(Accelerator):
         return addr, int(port)
 
     def _create_manager(self) -> Any:
-        from ft_core.manager import Manager, WorldSizeMode
-
         store_addr, store_port = self._group_store()
         mode = {"dynamic": WorldSizeMode.DYNAMIC,
                 "fixed_with_spares": WorldSizeMode.FIXED_WITH_SPARES}[self.ft.world_size_mode]
@@ -166,7 +165,7 @@ class FaultTolerantAccelerator(Accelerator):
             store_addr=store_addr,
             store_port=store_port,
             lighthouse_addr=self.ft.lighthouse,
-            replica_id=str(self.ft.replica_id),
+            replica_id=str(self.ft.replica_group_id),
             token=self.ft.token,
         )
 
@@ -231,8 +230,6 @@ class FaultTolerantAccelerator(Accelerator):
         prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         if evaluation_mode or already or not any(p.requires_grad for p in prepared.parameters()):
             return prepared
-        from ft_core import ddp
-
         inner = getattr(prepared, "_orig_mod", prepared)  # torch.compile wraps last
         if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
             ddp.register_comm_hook(inner, self.ft_manager)
@@ -278,14 +275,12 @@ class FaultTolerantAccelerator(Accelerator):
         if self.ft.num_replica_groups == 1 or getattr(data_loader, "_is_accelerate_prepared", False):
             return super().prepare_data_loader(data_loader, device_placement=device_placement,
                                                slice_fn_for_dispatch=slice_fn_for_dispatch)
-        from ft_core.data import global_shard
-
         if self.dispatch_batches:
             raise ConfigError("dispatch_batches=True (one process loads and sends batches) cannot shard across "
                               "replica groups; use DataLoaderConfiguration(dispatch_batches=False)")
         if device_placement is None:
             device_placement = self.device_placement
-        shard, shards = global_shard(self.ft.replica_id, self.ft.num_replica_groups, self.process_index,
+        shard, shards = global_shard(self.ft.replica_group_id, self.ft.num_replica_groups, self.process_index,
                                      self.num_processes)
         prepared = prepare_data_loader(
             data_loader, self.device, num_processes=shards, process_index=shard,

@@ -105,7 +105,7 @@ def config_main(argv: list[str]) -> int:
     if interactive:
         _console().print(f"Fault-tolerance settings for [bold]{path}[/bold] (Enter keeps the default):")
         for s in SETTINGS:
-            if getattr(args, s.name) is not None or s.name == "replica_id":
+            if getattr(args, s.name) is not None or s.name == "replica_group_id":
                 continue  # given as a flag; the group index belongs to each launch (--replica-group-id)
             values[s.name] = _ask(s.name, values.get(s.name, s.default))
     values = {k: v for k, v in values.items() if v is not None}

@@ -12,8 +12,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from ft_core import settings as ft_settings
 from ft_core.errors import ConfigError
-from ft_lightning.accelerate.plugin import SETTINGS, SETTINGS_BY_NAME, parse_setting
+from ft_lightning.accelerate.plugin import DEPRECATED_NAMES, SETTINGS, SETTINGS_BY_NAME, canonical_names, parse_setting
 
 CONFIG_FILE_NAME = "fault_tolerance.yaml"
 
@@ -54,10 +55,11 @@ def load_config(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"fault-tolerance config file {path} must hold a mapping of settings, got "
                           f"{type(data).__name__}")
-    unknown = sorted(str(k) for k in data if k not in SETTINGS_BY_NAME)
+    unknown = sorted(str(k) for k in data if k not in SETTINGS_BY_NAME and k not in DEPRECATED_NAMES)
     if unknown:
         raise ConfigError(f"fault-tolerance config file {path} has unknown key(s) {unknown}; known keys: "
                           f"{[s.name for s in SETTINGS]}")
+    data = canonical_names(data, f"fault-tolerance config file {path}")
     return {name: parse_setting(name, value, f"{path}: key {name!r}")
             for name, value in data.items() if value is not None}
 
@@ -81,6 +83,7 @@ def render_config(values: Mapping[str, Any], json_format: bool = False) -> str:
 
 def save_config(path: str, values: Mapping[str, Any]) -> str:
     """Write the config file (owner-only permissions: it may hold the token); returns the path."""
+    values = canonical_names(values)
     for name in values:
         if name not in SETTINGS_BY_NAME:
             raise ConfigError(f"unknown fault-tolerance setting {name!r}; known: {[s.name for s in SETTINGS]}")
@@ -101,12 +104,11 @@ def resolve_launch_settings(file_values: Mapping[str, Any], environ: Mapping[str
     Returns (values, sources) for the settings that have a value; what is unset is left to the
     worker (its FaultTolerancePlugin arguments, then defaults).
     """
-    from ft_core.env import lookup
-
+    file_values, flag_values = canonical_names(file_values), canonical_names(flag_values)
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for s in SETTINGS:
-        raw_env = lookup(s.env, environ)
+        raw_env = ft_settings.lookup(s.env, environ)
         if flag_values.get(s.name) is not None:
             values[s.name] = parse_setting(s.name, flag_values[s.name], f"flag --{flag_name(s.name)}")
             sources[s.name] = "flag"
@@ -119,10 +121,10 @@ def resolve_launch_settings(file_values: Mapping[str, Any], environ: Mapping[str
     return values, sources
 
 
-FLAG_NAMES = {"replica_id": "replica-group-id", "backend": "cross-group-backend"}
+FLAG_NAMES = {"backend": "cross-group-backend"}
 
 
 def flag_name(setting: str) -> str:
-    """The command-line flag of a setting, without dashes (`replica_id` is `replica-group-id`, as torchft
-    calls it; `backend` is `cross-group-backend`, not to be confused with Accelerate's own backends)."""
+    """The command-line flag of a setting, without leading dashes (`backend` is `cross-group-backend`, not
+    to be confused with Accelerate's own backends)."""
     return FLAG_NAMES.get(setting, setting.replace("_", "-"))

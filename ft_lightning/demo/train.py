@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import json
 import logging
 import os
 import sys
 import threading
 import time
+import typing
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -30,6 +32,8 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 import lightning.pytorch as pl
+
+from ft_lightning import FaultTolerantDDPStrategy
 
 VOCAB = "\n" + "".join(chr(c) for c in range(32, 127))  # 96 symbols; anything else reads as "?"
 UNKNOWN = VOCAB.index("?")
@@ -42,11 +46,7 @@ def load_corpus(max_chars: int = 400_000) -> str:
 
         text = "\n".join(topics[key] for key in sorted(topics))
     except ImportError:  # some distributions strip pydoc_data: fall back to stdlib source code
-        import argparse as a
-        import inspect
-        import typing as t
-
-        text = "\n".join(inspect.getsource(m) for m in (a, inspect, t))
+        text = "\n".join(inspect.getsource(m) for m in (argparse, inspect, typing))
     return text[:max_chars]
 
 
@@ -227,7 +227,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from ft_lightning import FaultTolerantDDPStrategy
 
     group = int(os.environ.get("REPLICA_GROUP_ID", "0"))
     incarnation = int(os.environ.get("FT_RESTART_COUNT", "0"))

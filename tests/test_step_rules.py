@@ -1,0 +1,130 @@
+"""The step protocol's decisions (ft_core.step_rules), one row per branch the Manager takes."""
+
+from __future__ import annotations
+
+import pytest
+from torch.distributed import ReduceOp
+
+from ft_core import step_rules as rules
+from ft_core.control.recovery import QuorumResult
+from ft_core.step_rules import CommitActions, QuorumActions, StepState, WorldSizeMode
+
+D, F = WorldSizeMode.DYNAMIC, WorldSizeMode.FIXED_WITH_SPARES
+
+
+def result(*, quorum_id: int = 1, replica_rank: int = 0, world: int = 2, max_step: int = 5,
+           max_replica_rank: int | None = 0, max_world: int = 2, heal: bool = False,
+           send_to: tuple[int, ...] = ()) -> QuorumResult:
+    return QuorumResult(quorum_id=quorum_id, replica_rank=replica_rank, replica_world_size=world,
+                        recover_src_manager_address="src:1" if heal else "", recover_src_replica_rank=1 if heal else None,
+                        recover_dst_replica_ranks=list(send_to), max_step=max_step, max_replica_rank=max_replica_rank,
+                        max_world_size=max_world, heal=heal)
+
+
+def actions(rank, n, vote, reconfigure=False, send_to=(), heal=False) -> QuorumActions:
+    return QuorumActions(participating_rank=rank, num_participants=n, vote_world_size=vote, reconfigure=reconfigure,
+                         send_to=tuple(send_to), heal=heal)
+
+
+AT_Q1 = StepState(step=5, batches_committed=10, quorum_id=1)
+
+QUORUM_CASES = [
+    # name, state, result, allow_heal, async, init_sync, mode, min_size, expected
+    ("up to date, same quorum: no rebuild", AT_Q1, result(), True, True, True, D, 1, actions(0, 2, 2)),
+    ("membership changed: rebuild", AT_Q1, result(quorum_id=2), True, True, True, D, 1,
+     actions(0, 2, 2, reconfigure=True)),
+    ("broken group (-1) is rebuilt even for the same id", StepState(step=5), result(), True, True, True, D, 1,
+     actions(0, 2, 2, reconfigure=True)),
+    ("source: sends to the healers", AT_Q1, result(send_to=(2,)), True, True, True, D, 1,
+     actions(0, 2, 2, send_to=(2,))),
+    ("source without healing allowed: sends nothing", AT_Q1, result(send_to=(2,)), False, True, True, D, 1,
+     actions(0, 2, 2)),
+    ("healer in async mode: fetches, does not participate", StepState(step=2, quorum_id=1),
+     result(replica_rank=1, world=3, max_replica_rank=None, max_world=2, heal=True), True, True, True, D, 1,
+     actions(None, 2, 2, heal=True)),
+    ("healer in sync mode: loads first, participates", StepState(step=2, quorum_id=1),
+     result(replica_rank=1, world=3, max_replica_rank=None, max_world=2, heal=True), True, False, True, D, 1,
+     actions(1, 3, 3, heal=True)),
+    ("behind without healing allowed: neither heals nor participates", StepState(step=2, quorum_id=1),
+     result(replica_rank=1, world=3, max_replica_rank=None, max_world=2, heal=True), False, True, True, D, 1,
+     actions(None, 2, 2)),
+    ("init_sync at step 0, first group: sole contributor, everyone counts in the vote", StepState(quorum_id=1),
+     result(max_step=0, max_world=3, world=3), True, True, True, D, 1, actions(0, 1, 3)),
+    ("init_sync at step 0, other group: heals from the first", StepState(quorum_id=1),
+     result(max_step=0, replica_rank=2, world=3, max_replica_rank=2, max_world=3, heal=True), True, True, True, D, 1,
+     actions(None, 1, 3, heal=True)),
+    ("step 0 without init_sync: everyone contributes", StepState(quorum_id=1),
+     result(max_step=0, replica_rank=2, world=3, max_replica_rank=2, max_world=3), True, True, False, D, 1,
+     actions(2, 3, 3)),
+    ("fixed with spares: a spare beyond min_replica_size", AT_Q1,
+     result(replica_rank=2, world=3, max_replica_rank=2, max_world=3), True, True, True, F, 2, actions(None, 2, 2)),
+    ("fixed with spares: a contributor", AT_Q1,
+     result(replica_rank=1, world=3, max_replica_rank=1, max_world=3), True, True, True, F, 2, actions(1, 2, 2)),
+    ("fixed with spares, fewer groups than min: all contribute, the vote fails", AT_Q1,
+     result(world=1, max_world=1), True, True, True, F, 2, actions(0, 1, 1)),
+]
+
+
+@pytest.mark.parametrize("name,state,res,allow_heal,use_async,init_sync,mode,min_size,expected", QUORUM_CASES,
+                         ids=[c[0] for c in QUORUM_CASES])
+def test_on_quorum(name, state, res, allow_heal, use_async, init_sync, mode, min_size, expected):
+    assert rules.on_quorum(state, res, allow_heal=allow_heal, use_async_quorum=use_async, init_sync=init_sync,
+                           mode=mode, min_replica_size=min_size) == expected
+
+
+VOTE_CASES = [
+    # name, decision, local, errored, n, max_retries, state before, (state after, actions)
+    ("committed: step and batches advance, failures reset", True, True, False, 2, None,
+     StepState(step=5, batches_committed=10, commit_failures=2, quorum_id=3),
+     (StepState(step=6, batches_committed=12, commit_failures=0, quorum_id=3), CommitActions(True, False, False))),
+    ("too few participants: a failure, the group stays (every peer skipped alike)", False, False, False, 1, None,
+     AT_Q1, (StepState(step=5, batches_committed=10, commit_failures=1, quorum_id=1), CommitActions(False, False, False))),
+    ("local error: a failure and the group is broken", False, False, True, 2, None,
+     AT_Q1, (StepState(step=5, batches_committed=10, commit_failures=1, quorum_id=1), CommitActions(False, True, False))),
+    ("a peer voted no: a failure and the group is broken", False, True, False, 2, None,
+     AT_Q1, (StepState(step=5, batches_committed=10, commit_failures=1, quorum_id=1), CommitActions(False, True, False))),
+    ("max_retries exceeded: give up", False, True, False, 2, 1,
+     StepState(step=5, commit_failures=1, quorum_id=1),
+     (StepState(step=5, commit_failures=2, quorum_id=1), CommitActions(False, True, True))),
+    ("max_retries reached, not exceeded: go on", False, True, False, 2, 1,
+     StepState(step=5, quorum_id=1), (StepState(step=5, commit_failures=1, quorum_id=1), CommitActions(False, True, False))),
+]
+
+
+@pytest.mark.parametrize("name,decision,local,errored,n,max_retries,before,expected", VOTE_CASES,
+                         ids=[c[0] for c in VOTE_CASES])
+def test_on_vote(name, decision, local, errored, n, max_retries, before, expected):
+    assert rules.on_vote(before, decision, local=local, errored=errored, num_participants=n,
+                         max_retries=max_retries) == expected
+
+
+@pytest.mark.parametrize("vote_world,min_size,errored,expected", [
+    (2, 2, False, True), (1, 2, False, False), (3, 2, True, False), (0, 1, False, False),
+])
+def test_local_vote(vote_world, min_size, errored, expected):
+    assert rules.local_vote(vote_world, min_size, errored) is expected
+
+
+@pytest.mark.parametrize("rank,healing,use_async,expected", [
+    (0, False, True, True), (None, False, True, False), (1, True, True, False), (1, True, False, True),
+])
+def test_is_participating(rank, healing, use_async, expected):
+    assert rules.is_participating(rank, healing, use_async) is expected
+
+
+def test_group_quorum_id_transitions():
+    state = StepState(step=3, quorum_id=1)
+    assert rules.on_configured(state, 4) == StepState(step=3, quorum_id=4)
+    assert rules.on_configure_failed(state) == StepState(step=3, quorum_id=-1)
+    assert rules.on_pg_broken(state) == StepState(step=3, quorum_id=-1)
+
+
+def test_heal_adopts_the_sources_progress():
+    before = StepState(step=2, batches_committed=4, commit_failures=1, quorum_id=7)
+    after = rules.on_heal_fetched(before, {"step": 9, "batches_committed": 18})
+    assert after == StepState(step=9, batches_committed=18, commit_failures=1, quorum_id=7)
+
+
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVG])
+def test_non_participants_contribute_zeros_to_sums(op):
+    assert rules.fill_value(op) == 0.0
