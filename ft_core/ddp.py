@@ -83,12 +83,29 @@ class _Chunk:
 
 
 class _BucketState:
-    __slots__ = ("buffer", "future", "remaining")
+    __slots__ = ("buffer", "future", "remaining", "events")
 
     def __init__(self, buffer: torch.Tensor, remaining: int) -> None:
         self.buffer = buffer
-        self.future: torch.futures.Future = torch.futures.Future()
+        # Device-aware (CUDA): DDP's wait() on it orders its stream after the reduction and copies.
+        self.future: torch.futures.Future = ft_futures.device_future(ft_futures.devices_of(buffer))
         self.remaining = remaining
+        self.events: list[Any] = []  # CUDA: one per chunk finished on another stream than the last
+
+    def chunk_done(self) -> None:
+        """Record, on the current stream, that one chunk's copies into this bucket were issued."""
+        if self.buffer.is_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.buffer.device))
+            self.events.append(event)
+
+    def complete(self) -> None:
+        """Complete the bucket's future on the current stream, ordered after every chunk's copies."""
+        if self.events:
+            current = torch.cuda.current_stream(self.buffer.device)
+            for event in self.events:
+                current.wait_event(event)
+        self.future.set_result(self.buffer)
 
 
 class _CanonicalReducer:
@@ -158,7 +175,10 @@ class _CanonicalReducer:
     def _launch(self, chunk: _Chunk) -> None:
         tensor = chunk.fast if chunk.fast is not None else chunk.buffer
         assert tensor is not None
-        fut = self._manager._allreduce_future(tensor, ReduceOp.AVG)
+        # the public call, so a wrapped or overridden Manager.allreduce is honoured; a ManagedWork's own
+        # future completes eagerly (its get_future() defers continuations to wait())
+        work = self._manager.allreduce(tensor, ReduceOp.AVG)
+        fut = getattr(work, "_fut", None) or work.get_future()
         fut.add_done_callback(lambda _f, chunk=chunk: self._finish(chunk))
 
     def _finish(self, chunk: _Chunk) -> None:
@@ -174,8 +194,10 @@ class _CanonicalReducer:
                 state.remaining -= 1
                 if state.remaining == 0:
                     done.append(state)
+                else:  # another chunk completes the bucket, maybe on another stream: it waits for ours
+                    state.chunk_done()
         for state in done:
-            state.future.set_result(state.buffer)
+            state.complete()
 
 
 class _HookState:
@@ -196,7 +218,7 @@ def _ft_comm_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.F
     if state.intra_size <= 1:
         return state.reducer.add_bucket(buffer, params, grads)
 
-    out: torch.futures.Future = torch.futures.Future()
+    out = ft_futures.device_future(ft_futures.devices_of(buffer))  # DDP's wait() orders its stream after it
 
     def cross(fut: torch.futures.Future) -> None:
         try:
@@ -238,6 +260,8 @@ def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, man
 
     intra_group_pg: the group's own process group (default: torch's default group when it has
     more than one rank); gradients are averaged on it first, then across groups via the Manager.
+    With the model's `broadcast_buffers` (DDP's default, True) its buffers are made identical on every
+    group before each vote (Manager.register_buffers); pass broadcast_buffers=False to DDP to opt out.
     """
     if intra_group_pg is None:
         intra_group_pg = _default_intra_group_pg()
@@ -253,6 +277,9 @@ def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, man
         state.intra_size = dist.get_world_size(intra_group_pg)
     ddp_model.register_comm_hook(state, _ft_comm_hook)
     ddp_model._ft_hook_state = state  # type: ignore[attr-defined]
+    if getattr(ddp_model, "broadcast_buffers", True):  # DDP's own semantics, now across groups too
+        module = ddp_model.module
+        manager.register_buffers(module, lambda: list(module.buffers()))
 
 
 class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):

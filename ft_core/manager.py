@@ -33,8 +33,9 @@ from ft_core import step_rules as rules
 from ft_core.checkpointing import HTTPTransport
 from ft_core.control.manager_client import ManagerClient
 from ft_core.control.manager_server import ManagerServer
+from ft_core.buffers import broadcast_by_sum
+from ft_core.healing import FetchedHeal, HealSources, load_healed_state
 from ft_core.errors import (
-    CheckpointError,
     CommitError,
     ConfigError,
     FTError,
@@ -53,26 +54,15 @@ events = logging.getLogger("ft_core.events")
 STORE_PREFIX = "ft_manager"
 _MARGIN_S = 5.0  # on top of a server-side deadline, for the hop back
 _SHUTDOWN_JOIN_S = 5.0  # longest shutdown() waits for one thread it started
-_MAX_SOURCE_CLIENTS = 4  # heal-source manager clients kept open
 
 
-def _nbytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(v) for v in obj)
-    nbytes = getattr(obj, "nbytes", None)
-    return int(nbytes) if isinstance(nbytes, int) else 0
-
-
-
-def own_store(host: str, timeout: timedelta) -> dist.TCPStore:
-    """A one-rank group's TCPStore, listening on `host` only (torch's own listener takes every interface)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+def own_store(host: str, timeout: timedelta, bind: str | None = None) -> dist.TCPStore:
+    """A TCPStore this process serves, reached at `host` and listening on `bind` only (default `host`;
+    torch's own listener would take every interface). Other groups rendezvous in it."""
+    bind = host if bind is None else bind
+    sock = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET, socket.SOCK_STREAM)
     try:
-        sock.bind((host.strip("[]"), 0))
+        sock.bind((bind.strip("[]"), 0))
         sock.listen(1024)
     except OSError:
         sock.close()
@@ -91,7 +81,7 @@ class Manager:
                  rank: int | None = None, world_size: int | None = None,
                  world_size_mode: WorldSizeMode | str | None = None, store_addr: str | None = None,
                  store_port: int | None = None, lighthouse_addr: str | list[str] | None = None,
-                 replica_id: str | None = None, port: int | None = None, hostname: str = "127.0.0.1",
+                 replica_id: str | None = None, port: int | None = None, hostname: str | None = None,
                  heartbeat_interval: timedelta = timedelta(milliseconds=100), checkpoint_transport: Any = None,
                  init_sync: bool = True, max_retries: int | None = None, quorum_retries: int | None = None,
                  token: str | None = None) -> None:
@@ -114,8 +104,10 @@ class Manager:
         self._error_lock = threading.Lock()
         self._pg_broken = False
         self._healing = False
-        self._pending_state_dict: Any = None
-        self._heal_info: dict[str, Any] = {}
+        self._heal: FetchedHeal | None = None  # this step's fetched state: loaded at commit, adopted if committed
+        self._voted = False  # this step's should_commit() has run: no reduction may follow
+        self._reductions = 0  # cross-group reductions issued this step (fail-closed check)
+        self._buffer_sources: dict[int, Callable[[], list[torch.Tensor]]] = {}
         self._round: rules.QuorumActions | None = None  # this step's role, from the quorum
         self._quorum_future: concurrent.futures.Future | None = None
         self._quorum_timeout_s = cfg.quorum_timeout.total_seconds()
@@ -123,9 +115,7 @@ class Manager:
         self._server: Any = None
         self._client: Any = None
         self._store: Any = None
-        # Clients of heal sources' manager servers, kept open: closing a fresh gRPC channel blocks
-        # ~0.2 s (grpc's connectivity poller), which would stall every group waiting on the healer.
-        self._source_clients: dict[str, Any] = {}
+        self._heal_sources = HealSources(cfg.connect_timeout, cfg.token)
 
         self._setup_store_and_server(cfg, store_addr, store_port)
         self.config = cfg = dataclasses.replace(cfg, replica_id=self._replica_id)
@@ -133,16 +123,18 @@ class Manager:
             max_workers=1, thread_name_prefix=f"ft-quorum[{cfg.replica_id}/{cfg.group_rank}]")
         if checkpoint_transport is None:
             checkpoint_transport = HTTPTransport(timeout=cfg.timeout, num_chunks=0, token=cfg.token,
-                                                 hostname=cfg.hostname, bind=net.format_host_port(cfg.hostname, 0))
+                                                 hostname=cfg.hostname, bind=net.format_host_port(cfg.bind_host, 0))
         self._transport = checkpoint_transport
         logger.info("%s manager started: %s", self._prefix(), cfg)
 
     # ----------------------------------------------------------------- setup
 
     def _setup_store_and_server(self, cfg: ManagerConfig, store_addr: str | None, store_port: int | None) -> None:
-        """Own TCPStore for a one-rank group; else the group's store. Rank 0 hosts the manager server."""
+        """Own TCPStore for a one-rank group; else the group's store. Rank 0 hosts the manager server and
+        advertises a store of its own on cfg.hostname for the cross-group rendezvous: the group's store
+        (MASTER_ADDR) may be reachable from inside the group only (localhost, a name other hosts lack)."""
         if cfg.group_world_size == 1 and store_addr is None:
-            self._store = own_store(cfg.hostname, cfg.connect_timeout)
+            self._store = own_store(cfg.hostname, cfg.connect_timeout, cfg.bind_host)
             host, port = cfg.hostname, self._store.port
         else:
             host = store_addr or os.environ.get("MASTER_ADDR")
@@ -151,13 +143,16 @@ class Manager:
                 raise ConfigError("a replica group with several ranks needs its TCPStore: pass store_addr= and "
                                   "store_port= or run under torchrun (MASTER_ADDR/MASTER_PORT)")
             self._store = dist.TCPStore(host, int(port), is_master=False, timeout=cfg.connect_timeout)
+            if cfg.group_rank == 0:
+                self._rendezvous_store = own_store(cfg.hostname, cfg.connect_timeout, cfg.bind_host)
+                host, port = cfg.hostname, self._rendezvous_store.port
         self._store_address = net.format_host_port(host, int(port))
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"{STORE_PREFIX}/{restart}", self._store)
         if cfg.group_rank == 0:
             self._replica_id = cfg.replica_id
             self._server = ManagerServer(self._replica_id, cfg.lighthouse_addr, hostname=cfg.hostname,
-                                         bind=net.format_host_port(cfg.hostname, cfg.port), store_addr=self._store_address,
+                                         bind=net.format_host_port(cfg.bind_host, cfg.port), store_addr=self._store_address,
                                          world_size=cfg.group_world_size, heartbeat_interval=cfg.heartbeat_interval,
                                          connect_timeout=cfg.connect_timeout, quorum_retries=cfg.quorum_retries,
                                          token=cfg.token)
@@ -172,6 +167,8 @@ class Manager:
                                      f"{cfg.connect_timeout.total_seconds():.3g}s ({exc}); is rank 0 running?") from None
             self._replica_id = store.get("replica_id").decode()
             self._client = ManagerClient(store.get("manager_addr").decode(), cfg.connect_timeout, token=cfg.token)
+        if self._server is not None:  # the lighthouse's PeerLost notices fail this quorum's step at once
+            self._server.add_failure_listener(self._on_peer_lost)
 
     # ----------------------------------------------------------------- state registry
 
@@ -198,7 +195,7 @@ class Manager:
         return {"step": self._state.step, "batches_committed": self._state.batches_committed}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        self._state = rules.on_heal_fetched(self._state, state_dict)
+        self._state = rules.restore(self._state, state_dict)
 
     # ----------------------------------------------------------------- errors
 
@@ -223,6 +220,22 @@ class Manager:
 
     def _on_collective_error(self, e: BaseException) -> None:
         self.report_error(e if isinstance(e, Exception) else FTError(str(e)))
+        self._break_pg()
+
+    def _on_peer_lost(self, quorum_id: int, replica_id: str) -> None:
+        """The lighthouse dropped `replica_id` from quorum `quorum_id` (dead, hung or cut off): if this step
+        runs in that quorum, fail it and abort its collectives now instead of at their timeout. A quorum
+        still forming is checked when it ends (the lighthouse may have issued it just before the loss)."""
+        fut = self._quorum_future
+        if fut is None or self._closed:
+            return
+        if not fut.done():
+            fut.add_done_callback(lambda _f: self._on_peer_lost(quorum_id, replica_id))
+            return
+        if self._state.quorum_id != quorum_id:
+            return
+        self.report_error(FTError(f"{self._prefix()} replica group {replica_id} of quorum {quorum_id} was lost "
+                                  f"(the lighthouse dropped it); this step's collectives are aborted"))
         self._break_pg()
 
     def _break_pg(self) -> None:
@@ -258,15 +271,16 @@ class Manager:
             self._errored = None
             self._pg_broken = False
         self._healing = False
-        self._pending_state_dict = None
+        self._heal = None  # a heal not applied by the last step is fetched again
+        self._voted = False
+        self._reductions = 0
         quorum_timeout = ft_futures._seconds(timeout) if timeout is not None else \
             self.config.quorum_timeout.total_seconds()
         self._quorum_timeout_s = quorum_timeout
         self._quorum_future = self._executor.submit(self._async_quorum, allow_heal, shrink_only, quorum_timeout)
         if not self.config.use_async_quorum:
             self.wait_quorum()
-            if self._pending_state_dict is not None:
-                self._apply_pending_state_dict()
+            self._apply_pending_state_dict()
 
     def wait_quorum(self) -> None:
         """Block until this step's quorum (and healing transfer) is done; raises if the quorum failed."""
@@ -337,75 +351,60 @@ class Manager:
                 self.report_error(exc)
 
     def _fetch_checkpoint(self, result: QuorumResult) -> None:
-        cfg = self.config
-        started = time.perf_counter()
-        address = result.recover_src_manager_address
-        client = self._source_clients.get(address)
-        if client is None:
-            if len(self._source_clients) >= _MAX_SOURCE_CLIENTS:  # oldest first; an old channel closes at once
-                self._source_clients.pop(next(iter(self._source_clients))).close()
-            client = self._source_clients[address] = ManagerClient(address, cfg.connect_timeout, token=cfg.token)
-        try:
-            metadata = client.checkpoint_metadata(cfg.group_rank, cfg.timeout)
-        except FTError:
-            self._source_clients.pop(address, None)  # likely dead: drop it (its channel is old, closing is quick)
-            client.close()
-            raise
-        state = self._transport.recv_checkpoint(result.recover_src_replica_rank, metadata, result.max_step,
-                                                cfg.timeout)
-        ft_state = state.get("ft") if isinstance(state, dict) else None
-        if not isinstance(ft_state, dict) or not isinstance(state.get("user"), dict):
-            raise CheckpointError(f"{self._prefix()} checkpoint from replica rank {result.recover_src_replica_rank} "
-                                  f"is malformed: expected {{'user': ..., 'ft': {{step, batches_committed}}}}")
-        if ft_state.get("step") != result.max_step:
-            raise CheckpointError(f"{self._prefix()} checkpoint from replica rank {result.recover_src_replica_rank} "
-                                  f"is for step {ft_state.get('step')}, expected {result.max_step}; "
-                                  f"will retry at the next quorum")
-        self._pending_state_dict = state["user"]
-        self._heal_info = {"source_replica_rank": result.recover_src_replica_rank,
-                           "transfer_seconds": time.perf_counter() - started, "nbytes": _nbytes(state["user"])}
-        self._state = rules.on_heal_fetched(self._state, ft_state)
+        self._heal = self._heal_sources.fetch(result, self.config.group_rank, self._transport, self.config.timeout)
 
     def _apply_pending_state_dict(self) -> None:
-        started = time.perf_counter()
-        user, self._pending_state_dict = self._pending_state_dict, None
+        heal = self._heal
+        if heal is None or heal.loaded:
+            return
         try:
-            missing = sorted(set(self._state_fns) - set(user))
-            if missing:
-                raise CheckpointError(f"{self._prefix()} healed state lacks registered key(s) {missing}; every group "
-                                      f"must register the same state dict functions")
-            for key, (load, _) in self._state_fns.items():
-                load(user[key])
+            load_healed_state(heal, self._state_fns)
         except Exception as exc:
             self.report_error(exc)
             return
-        load_s = time.perf_counter() - started
-        info = self._heal_info
-        logger.info("%s healed from replica rank %s: %d bytes, transfer %.3fs, load %.3fs", self._prefix(),
-                    info.get("source_replica_rank"), info.get("nbytes", 0), info.get("transfer_seconds", 0.0), load_s)
-        self._emit("heal", source_replica_rank=info.get("source_replica_rank"),
-                   seconds=info.get("transfer_seconds", 0.0) + load_s, transfer_seconds=info.get("transfer_seconds"),
-                   load_seconds=load_s, nbytes=info.get("nbytes", 0))
+        logger.info("%s healed from replica rank %s (%s) to step %d: %d bytes in %.3fs (%.1f MB/s), load %.3fs; "
+                    "adopted if this step commits", self._prefix(), heal.source_replica_rank, heal.source,
+                    heal.target.step, heal.nbytes, heal.transfer_seconds, heal.bandwidth_mb_s, heal.load_seconds)
+        self._emit("heal", source_replica_rank=heal.source_replica_rank, source=heal.source,
+                   healed_step=heal.target.step, seconds=heal.transfer_seconds + heal.load_seconds,
+                   transfer_seconds=heal.transfer_seconds, load_seconds=heal.load_seconds, nbytes=heal.nbytes,
+                   bandwidth_mb_s=heal.bandwidth_mb_s)
 
     # ----------------------------------------------------------------- collectives
 
-    def allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp = ReduceOp.AVG) -> ManagedWork:
+    def allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp = ReduceOp.AVG,
+                  should_quantize: bool = False) -> ManagedWork:
         """In-place allreduce across replica groups; AVG divides by num_participants. Never raises for
-        communication errors (they are recorded and the step will not commit)."""
+        communication errors (they are recorded and the step will not commit); raises ConfigError for
+        an op without an identity and for an allreduce after this step's should_commit().
+        `should_quantize` (torchft's) is accepted and ignored with a warning: there is no quantized path."""
+        if should_quantize:
+            logger.warning("should_quantize=True is ignored: the allreduce is sent in full precision")
         _check_reduce_op(tensor, reduce_op)
         return ManagedWork(self, self._allreduce_future(tensor, reduce_op), tensor)
 
     def _allreduce_future(self, tensor: torch.Tensor, reduce_op: ReduceOp = ReduceOp.AVG) -> torch.futures.Future:
+        """One of this step's cross-group reductions (what allreduce and the DDP comm hook issue)."""
+        if self._voted:
+            raise ConfigError(f"{self._prefix()} allreduce after should_commit() in the same step: no vote would "
+                              f"see it fail, so groups could apply different updates. Start the next step first "
+                              f"(manager.start_quorum() or OptimizerWrapper.zero_grad()), one vote per optimizer step")
+        self._reductions += 1
+        return self._reduce(tensor, reduce_op)
+
+    def _reduce(self, tensor: torch.Tensor, reduce_op: ReduceOp) -> torch.futures.Future:
         """The collective as an eager torch Future that never fails (value: `tensor`)."""
         try:
             self.wait_quorum()
             if self._pg_broken:
                 return ft_futures.completed_future(tensor)
             n = self._round.num_participants if self._round is not None else 0
-            if not self.is_participating():
-                fill = rules.fill_value(reduce_op)
-                if fill is not None:
-                    tensor.fill_(fill)
+            role = rules.contribution(self.is_participating(), self._errored is not None)
+            if role is rules.Contribution.BREAK:
+                self._break_pg()  # the divisor counts this group: its peers must fail this step too
+                return ft_futures.completed_future(tensor)
+            if role is rules.Contribution.IDENTITY:
+                tensor.fill_(rules.fill_value(reduce_op, tensor.dtype))
             opts = dist.AllreduceOptions()
             opts.reduceOp = ReduceOp.SUM if reduce_op == ReduceOp.AVG else reduce_op
             work = self._pg.allreduce([tensor], opts)
@@ -419,6 +418,19 @@ class Manager:
             self._on_collective_error(exc)
             return ft_futures.completed_future(tensor)
 
+    def register_buffers(self, key: object, buffers: Callable[[], list[torch.Tensor]]) -> None:
+        """Keep `buffers()` (e.g. BatchNorm running stats) identical on every group after each committed
+        step, as DDP's broadcast_buffers does inside a group: before the vote, every group takes the
+        buffers of the first participant. ft_core.ddp registers a wrapped module's buffers."""
+        self._buffer_sources[id(key)] = buffers
+
+    def _sync_buffers(self) -> None:
+        tensors = [b for source in self._buffer_sources.values() for b in source()]
+        if not tensors or self._round is None or self._round.num_participants == 0:
+            return
+        root = self.is_participating() and self._round.participating_rank == 0
+        broadcast_by_sum(tensors, root, self._reduce, lambda: self._errored is None)
+
     # ----------------------------------------------------------------- commit
 
     def should_commit(self, timeout: timedelta | float | None = None) -> bool:
@@ -427,24 +439,34 @@ class Manager:
         pg_error = self._pg_error()
         if pg_error is not None:
             self._on_collective_error(pg_error)
-        if self._pending_state_dict is not None:
-            self._apply_pending_state_dict()
+        self._apply_pending_state_dict()
         plan = self._round
         n = plan.num_participants if plan is not None else 0
-        errored = self._errored is not None
+        if self._buffer_sources and not self._pg_broken:
+            self._sync_buffers()
+        heal_loaded = not (plan is not None and plan.heal) or (self._heal is not None and self._heal.loaded)
         local = rules.local_vote(plan.vote_world_size if plan is not None else 0, self.config.min_replica_size,
-                                 errored)
+                                 self._errored is not None, heal_loaded)
+        unreduced = rules.unreduced_step(plan.vote_world_size if plan else 0, self._reductions) if local else None
+        if unreduced is not None:
+            self.report_error(unreduced)
+            local = False
         decision = self._vote(local, timeout if timeout is not None else self.config.timeout)
+        self._voted = True
         self._transport.disallow_checkpoint()
         errored = self._errored is not None  # the vote itself may have failed
         self._state, actions = rules.on_vote(self._state, decision, local=local, errored=errored, num_participants=n,
-                                             max_retries=self.config.max_retries)
+                                             max_retries=self.config.max_retries,
+                                             healed=self._heal.target if self._heal is not None and heal_loaded
+                                             else None)
         if not actions.committed:
             if actions.break_pg:
                 self._break_pg()
             logger.warning("%s step not committed (participants %d, min %d, error %s); consecutive failures %d",
                            self._prefix(), n, self.config.min_replica_size, self._errored, self._state.commit_failures)
         self._emit("commit", committed=decision, num_participants=n)
+        if unreduced is not None:
+            raise unreduced
         if actions.give_up:
             raise CommitError(f"{self._prefix()} {self._state.commit_failures} consecutive steps failed to commit "
                               f"(max_retries={self.config.max_retries}); last error: {self._errored}")
@@ -554,9 +576,7 @@ class Manager:
                                    self._prefix(), _SHUTDOWN_JOIN_S)
             elif wait:
                 self._executor.shutdown(wait=True)
-            for client in self._source_clients.values():
-                client.close()
-            self._source_clients.clear()
+            self._heal_sources.close()
             if wait:
                 ft_futures.stop_timer_if_idle(_SHUTDOWN_JOIN_S)
         logger.info("%s manager shut down in %.3fs", self._prefix(), time.perf_counter() - started)
@@ -572,3 +592,4 @@ def _check_reduce_op(tensor: torch.Tensor, reduce_op: ReduceOp) -> None:
     if reduce_op == ReduceOp.AVG and not (tensor.is_floating_point() or tensor.is_complex()):
         raise ConfigError(f"allreduce with ReduceOp.AVG needs a floating point tensor, got {tensor.dtype}; "
                           f"use ReduceOp.SUM for integers and divide yourself")
+    rules.fill_value(reduce_op, tensor.dtype)  # raises ConfigError for an op without an identity

@@ -6,26 +6,34 @@ returned actions (configure the process group, send or fetch a checkpoint, break
 
     on_quorum(state, result, ...)     -> QuorumActions   who participates, divisor, heal/send, rebuild
     on_configured / on_configure_failed / on_pg_broken    the rebuilt group's quorum id
-    on_heal_fetched(state, ft_state)  -> StepState       when a healed step is adopted
-    fill_value(op)                    -> float | None    what a non-participant contributes
+    heal_target(ft_state, expected)   -> HealTarget      a fetched state, checked; adopted only at commit
+    contribution(...) / fill_value    -> Contribution    what this group puts into a reduction
     local_vote(...)                   -> bool            this rank's commit vote
     on_vote(state, decision, ...)     -> (StepState, CommitActions)
+
+A healed step is adopted only when the group commits the step it healed in: every rank loaded the
+state (a rank whose fetch or load failed votes no, and the group's vote is the AND of its ranks),
+so the ranks of a group never disagree on the step, and a group that failed to heal keeps its
+pre-heal step and heals again at the next quorum.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 from torch.distributed import ReduceOp
 
 from ft_core.control.recovery import QuorumResult
+from ft_core.errors import CheckpointError, ConfigError
 from ft_core.manager_config import WorldSizeMode
 
 __all__ = [
-    "CommitActions", "QuorumActions", "StepState", "WorldSizeMode", "fill_value", "is_participating", "local_vote",
-    "on_configure_failed", "on_configured", "on_heal_fetched", "on_pg_broken", "on_quorum", "on_vote",
-    "participation", "vote_world_size",
+    "CommitActions", "Contribution", "HealTarget", "QuorumActions", "StepState", "WorldSizeMode", "contribution",
+    "fill_value", "heal_target", "is_participating", "local_vote", "on_configure_failed", "on_configured",
+    "on_pg_broken", "on_quorum", "on_vote", "participation", "restore", "unreduced_step", "vote_world_size",
 ]
 
 
@@ -50,6 +58,22 @@ class QuorumActions:
     reconfigure: bool  # rebuild the process group for result.quorum_id
     send_to: tuple[int, ...]  # replica ranks this group serves its checkpoint to
     heal: bool  # fetch the checkpoint of result.max_step from the source
+
+
+@dataclass(frozen=True)
+class HealTarget:
+    """The progress a fetched checkpoint carries: adopted (plus the step committed on top) at commit."""
+
+    step: int
+    batches_committed: int
+
+
+class Contribution(enum.Enum):
+    """What a group puts into one cross-group reduction."""
+
+    OWN = "own"  # its tensor, as computed
+    IDENTITY = "identity"  # the op's identity (healer, spare): the result is the participants' alone
+    BREAK = "break"  # an errored participant: the divisor counts it, so no peer may commit this step
 
 
 @dataclass(frozen=True)
@@ -87,14 +111,17 @@ def participation(result: QuorumResult, *, use_async_quorum: bool, allow_heal: b
 
 def vote_world_size(result: QuorumResult, participants: int, *, init_sync: bool, mode: WorldSizeMode,
                     min_replica_size: int, allow_heal: bool) -> int:
-    """Groups that end this step in sync, compared with min_replica_size in the commit vote.
+    """Groups that end this step holding the committed state, compared with min_replica_size in the vote.
 
-    At step 0 with init_sync only the first group contributes, but every group at max_step ends
-    the step in sync, so all of them count (else nobody could ever commit the first step).
+    With healing allowed that is every group of the quorum: the participants, and the healers, which
+    load the source's state at commit and apply the same averaged gradient (at step 0 with init_sync
+    only the first group contributes and every other one heals from it). A healer's own vote also
+    requires its load to have succeeded, so a failed heal is never adopted; it heals again next step.
+    Without healing only the participants end in sync.
     """
     if not allow_heal:
         return participants
-    synced = result.max_world_size if init_sync and result.max_step == 0 else participants
+    synced = result.replica_world_size
     if mode == WorldSizeMode.FIXED_WITH_SPARES:
         synced = min(synced, min_replica_size)
     return max(participants, synced)
@@ -128,9 +155,21 @@ def on_pg_broken(state: StepState) -> StepState:
     return replace(state, quorum_id=-1)
 
 
-def on_heal_fetched(state: StepState, ft_state: dict[str, Any]) -> StepState:
-    """The source's progress is adopted when its checkpoint has arrived."""
-    return replace(state, step=int(ft_state["step"]), batches_committed=int(ft_state["batches_committed"]))
+def heal_target(ft_state: Any, expected_step: int, source: str) -> HealTarget:
+    """Check a fetched checkpoint's fault-tolerance part; what the group adopts if it commits."""
+    if not isinstance(ft_state, dict) or not isinstance(ft_state.get("step"), int) \
+            or not isinstance(ft_state.get("batches_committed"), int):
+        raise CheckpointError(f"checkpoint from {source} is malformed: expected {{'user': ..., 'ft': "
+                              f"{{step, batches_committed}}}}")
+    if ft_state["step"] != expected_step:
+        raise CheckpointError(f"checkpoint from {source} is for step {ft_state['step']}, expected {expected_step}; "
+                              f"will retry at the next quorum")
+    return HealTarget(step=ft_state["step"], batches_committed=ft_state["batches_committed"])
+
+
+def restore(state: StepState, saved: dict[str, Any]) -> StepState:
+    """Progress loaded from a durable checkpoint (Manager.load_state_dict)."""
+    return replace(state, step=int(saved["step"]), batches_committed=int(saved["batches_committed"]))
 
 
 def is_participating(participating_rank: int | None, healing: bool, use_async_quorum: bool) -> bool:
@@ -140,25 +179,70 @@ def is_participating(participating_rank: int | None, healing: bool, use_async_qu
     return not (healing and use_async_quorum)
 
 
-def fill_value(op: ReduceOp) -> float | None:
-    """What a non-participant puts in its tensor before a reduction (None: its own values)."""
-    return 0.0
+def contribution(participating: bool, errored: bool) -> Contribution:
+    """A participant that already failed this step must not send a stale or partial tensor that the
+    divisor counts: it breaks the group instead, so every peer's reduction fails and nobody commits.
+    Healers and spares send the identity, whatever their state: the divisor does not count them."""
+    if not participating:
+        return Contribution.IDENTITY
+    return Contribution.BREAK if errored else Contribution.OWN
 
 
-def local_vote(vote_world_size: int, min_replica_size: int, errored: bool) -> bool:
-    """This rank's vote: enough groups end the step in sync and nothing failed here."""
-    return vote_world_size >= min_replica_size and not errored
+_SUM_LIKE = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.BOR, ReduceOp.BXOR)
+
+
+def fill_value(op: ReduceOp, dtype: torch.dtype) -> int | float | bool:
+    """The identity of `op` for `dtype`: what a non-participant contributes to a reduction."""
+    floating = dtype.is_floating_point or dtype.is_complex
+    if dtype == torch.bool:
+        low, high = False, True
+    elif floating:
+        low, high = float("-inf"), float("inf")
+    else:
+        info = torch.iinfo(dtype)
+        low, high = info.min, info.max
+    if op in _SUM_LIKE:
+        return False if dtype == torch.bool else 0
+    if op == ReduceOp.PRODUCT:
+        return True if dtype == torch.bool else 1
+    if op == ReduceOp.MAX:
+        return low
+    if op == ReduceOp.MIN:
+        return high
+    if op == ReduceOp.BAND and not floating:
+        return True if dtype == torch.bool else (-1 if info.min < 0 else info.max)
+    raise ConfigError(f"allreduce with {op} has no identity for {dtype}, so a healing or spare group cannot take "
+                      f"part in it; use SUM, AVG, PRODUCT, MIN, MAX (or BAND/BOR/BXOR on integers)")
+
+
+def local_vote(vote_world_size: int, min_replica_size: int, errored: bool, heal_loaded: bool = True) -> bool:
+    """This rank's vote: enough groups end the step in sync, nothing failed here, and a group that
+    heals this step has its healed state loaded."""
+    return vote_world_size >= min_replica_size and not errored and heal_loaded
 
 
 def on_vote(state: StepState, decision: bool, *, local: bool, errored: bool, num_participants: int,
-            max_retries: int | None) -> tuple[StepState, CommitActions]:
-    """Advance on a committed step; count a failure otherwise (and break the group unless the step
-    failed merely for too few participants, where every peer skipped the same collectives)."""
+            max_retries: int | None, healed: HealTarget | None = None) -> tuple[StepState, CommitActions]:
+    """Advance on a committed step (from the healed step when this step healed the group); count a
+    failure otherwise (and break the group unless the step failed merely for too few participants,
+    where every peer skipped the same collectives). A failed step keeps the pre-heal progress."""
     if decision:
-        new = replace(state, step=state.step + 1, batches_committed=state.batches_committed + num_participants,
+        base = state if healed is None else replace(state, step=healed.step,
+                                                    batches_committed=healed.batches_committed)
+        new = replace(base, step=base.step + 1, batches_committed=base.batches_committed + num_participants,
                       commit_failures=0)
         return new, CommitActions(committed=True, break_pg=False, give_up=False)
     failures = state.commit_failures + 1
     new = replace(state, commit_failures=failures)
     give_up = max_retries is not None and failures > max_retries
     return new, CommitActions(committed=False, break_pg=local or errored, give_up=give_up)
+
+
+def unreduced_step(groups: int, reductions: int) -> ConfigError | None:
+    """Fail closed: a step of several groups that reduced nothing across them would train them apart."""
+    if groups <= 1 or reductions > 0:
+        return None
+    return ConfigError(f"refusing to commit a step of {groups} replica groups with no cross-group reduction: the "
+                       f"gradients were never averaged across groups, so the groups would train apart. Likely cause: "
+                       f"the model is not wrapped by ft_core.DistributedDataParallel (or its comm hook was replaced), "
+                       f"or the loop does not call manager.allreduce on the gradients")

@@ -107,10 +107,17 @@ class FaultTolerantFabricMixin(FTStrategyBase):
         if module.training and not self._quorum_open and self._manager_live:
             self.start_quorum()
 
+    def backward(self, tensor: Any, module: Any, *args: Any, **kwargs: Any) -> None:
+        """One vote per optimizer step: a backward after a vote (without a forward in between) starts
+        the next step, so its gradients are voted on in a step of their own."""
+        if self._manager is not None and self._commit is not None and self._manager_live:
+            self.start_quorum()
+        super().backward(tensor, module, *args, **kwargs)  # type: ignore[misc]
+
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         if self._manager is None:
             return super().optimizer_step(optimizer, **kwargs)  # type: ignore[misc]
-        if self._commit is None:  # one vote per step, shared by every optimizer
+        if self._commit is None:  # one vote covers the optimizers that step before the next backward
             if not self._quorum_open:
                 raise RuntimeError("optimizer.step() before any training forward of this step: run the forward "
                                    "pass through the module Fabric set up, or call strategy.start_quorum() first")

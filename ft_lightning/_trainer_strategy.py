@@ -52,6 +52,7 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
         self._window_open = False
         self._window_snapshot: dict[str, Any] | None = None
         self._commit: bool | None = None
+        self._window_continues_batch = False  # this step is a batch's second (or later) optimizer step
         self._last_step_applied = True
         self._warned_callbacks: set[str] = set()
 
@@ -119,6 +120,15 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
         self._window_open = True
         self._manager.start_quorum()
 
+    def pre_backward(self, closure_loss: Any) -> None:
+        """One vote per optimizer step: a backward after this batch's previous optimizer voted (manual
+        optimization, e.g. a GAN's second optimizer) starts the next step, so its gradients are
+        reduced and voted on in a step of their own (the Manager refuses a reduction after a vote)."""
+        super().pre_backward(closure_loss)  # type: ignore[misc]
+        if self._manager is not None and self._commit is not None:
+            self._open_window(self.lightning_module.trainer)  # type: ignore[attr-defined]
+            self._window_continues_batch = True
+
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if self._manager is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
@@ -126,11 +136,12 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
         if not self._window_open and self._commit is None:
             self._open_window(trainer)
         result = closure()  # forward + backward: gradients averaged in the group, then across groups
-        if self._commit is None:  # one vote per step, however many optimizers step
+        if self._commit is None:  # one vote covers the optimizers that step before the next backward
             self._commit = bool(self._manager.should_commit())  # applies a healed state first
             self._window_open = False
-            if not self._commit:
+            if not self._commit and not self._window_continues_batch:  # the batch's logger step, once
                 _progress.undo_batches_stepped(trainer)
+            self._window_continues_batch = False
         self._last_step_applied = self._commit
         if self._commit:
             return super().optimizer_step(optimizer, lambda: result, model, **kwargs)  # type: ignore[misc]

@@ -161,11 +161,48 @@ def test_wrong_step_is_a_clear_checkpoint_error(source: HTTPTransport) -> None:
         healer.recv_checkpoint(0, source.metadata(), 5, LONG)
 
 
-def test_disallowed_checkpoint_is_no_longer_served(source: HTTPTransport) -> None:
+def test_disallowed_checkpoint_is_no_longer_served_and_the_healer_is_told_at_once(source: HTTPTransport) -> None:
+    """Issue 13: a step the source stopped serving is a 410 (give up now), not a 503 retried to the deadline."""
     source.send_checkpoint([1], 4, {"w": torch.ones(3)}, LONG)
     source.disallow_checkpoint()
+    with HTTPTransport(timeout=LONG) as healer, pytest.raises(CheckpointError, match="stopped serving step 4"):
+        started = time.monotonic()
+        healer.recv_checkpoint(0, source.metadata(), 4, LONG)
+    assert time.monotonic() - started < LONG.total_seconds() / 2
+
+
+def test_a_step_not_staged_yet_is_retried_until_the_deadline(source: HTTPTransport) -> None:
     with HTTPTransport(timeout=LONG) as healer, pytest.raises(TimeoutError, match="no checkpoint is staged"):
         healer.recv_checkpoint(0, source.metadata(), 4, timedelta(milliseconds=300))
+
+
+def test_every_healer_of_one_step_gets_the_same_bytes_while_the_source_trains_on(source: HTTPTransport) -> None:
+    """Issue 13: the served state is a snapshot; a buffer mutated after staging (BatchNorm stats in the
+    forward pass) changes neither the bytes nor the checksum a second healer of the same step receives."""
+    running_mean = torch.zeros(1 << 14)
+    source.send_checkpoint([1, 2], 5, {"bn.running_mean": running_mean}, LONG)
+    with HTTPTransport(timeout=LONG) as first, HTTPTransport(timeout=LONG) as second:
+        a = first.recv_checkpoint(0, source.metadata(), 5, LONG)
+        running_mean.add_(1.0)  # the source's forward pass moves on
+        b = second.recv_checkpoint(0, source.metadata(), 5, LONG)
+    assert torch.equal(a["bn.running_mean"], torch.zeros(1 << 14))
+    assert torch.equal(b["bn.running_mean"], torch.zeros(1 << 14))
+
+
+def test_disallow_returns_at_once_while_a_healer_is_still_streaming(source: HTTPTransport) -> None:
+    """Issue 13: disallow_checkpoint after a step never waits for a hung healer (the bytes are a snapshot)."""
+    source.send_checkpoint([1], 6, big_state(numel=1 << 20), LONG)
+    url = source.metadata().removeprefix("http://")
+    host, port = url.rsplit(":", 1)
+    hung = socket.create_connection((host, int(port)))  # asks for a chunk, then never reads the body
+    try:
+        hung.sendall(b"GET /checkpoint/6/chunk/0 HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(0.2)
+        started = time.monotonic()
+        source.disallow_checkpoint()
+        assert time.monotonic() - started < 2.0
+    finally:
+        hung.close()
 
 
 @pytest.mark.parametrize("damage", [{"flip_at": 70_000}, {"flip_at": 200_000}, {"cut_after": 100_000}],
@@ -237,7 +274,7 @@ def test_receiver_never_sees_a_torn_state_when_the_source_mutates_after_disallow
     if "state" in outcome:
         assert_same(original, outcome["state"])
     else:
-        assert "503" in str(outcome["error"]) or "truncated" in str(outcome["error"])
+        assert any(word in str(outcome["error"]) for word in ("410", "503", "truncated"))  # 410: stopped serving
 
 
 def test_bad_source_address_is_a_clear_error() -> None:

@@ -27,10 +27,12 @@ PUBLIC_API: dict[str, frozenset[str] | None] = {
     "ft_core.ddp": None,
     "ft_core.optim": None,
     "ft_core.data": None,
+    "ft_core.local_sgd": None,
     "ft_core.errors": None,
     "ft_core.settings": None,
     "ft_core.futures": None,
     "ft_core.net": None,
+    "ft_core.metrics": None,  # per-group Prometheus metrics from the Manager's events
     "ft_core.process_groups": None,  # the package, not its modules
     "ft_core.checkpointing": None,  # the package, not its modules
     "ft_core.control.lighthouse": None,
@@ -62,6 +64,9 @@ OPTIONAL_IMPORTS_AT = {
     ("ft_core/process_groups/backends.py", "torch._C._distributed_c10d"): "backend-only torch classes",
     # `ftl accelerate config` stays importable without torch; only `launch` needs it
     ("ft_lightning/accelerate/cli.py", "torch.distributed.elastic.multiprocessing.errors"): "torch kept optional",
+    ("ft_lightning/accelerate/cli.py", "torch.distributed.elastic.multiprocessing"): "torch kept optional",
+    ("ft_lightning/accelerate/cli.py", "torch.distributed.elastic.multiprocessing.subprocess_handler"):
+        "torch kept optional",
     # runs at interpreter start-up from a .pth file; logging (~4 ms) is needed only on the failure path
     ("ft_lightning/_registration.py", "logging"): "start-up cost",
     # some Python distributions strip pydoc_data (the demo corpus then comes from stdlib sources)
@@ -71,7 +76,8 @@ GENERATED = ("ft_pb2.py", "ft_pb2_grpc.py", "ft_pb2.pyi")
 
 # Rooms of ft_core and the rooms each may import (docs/architecture.md draws them).
 STEP_PROTOCOL = {"ft_core.manager", "ft_core.manager_config", "ft_core.step_rules", "ft_core.managed_work",
-                 "ft_core.futures", "ft_core.ddp", "ft_core.optim", "ft_core.data"}
+                 "ft_core.futures", "ft_core.ddp", "ft_core.optim", "ft_core.data", "ft_core.metrics",
+                 "ft_core.local_sgd", "ft_core.diloco", "ft_core.healing", "ft_core.buffers"}
 SHARED_LEAVES = {"ft_core.errors", "ft_core.settings", "ft_core.net"}
 OUTSIDE_THE_ROOMS = {"ft_core", "ft_core.__main__",  # the lazy package and `python -m ft_core` (the CLI)
                      "ft_core.lighthouse", "ft_core.manager_server", "ft_core.process_group"}  # deprecated aliases

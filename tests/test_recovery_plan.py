@@ -152,3 +152,10 @@ def test_init_sync_at_step_0_every_rank_of_a_group_heals_from_the_same_group(n: 
         sources = {compute_recovery_plan(f"replica_{i}", r, quorum, True).recover_src_replica_rank
                    for r in range(world)}
         assert sources == {0}
+
+
+def test_a_quorum_of_groups_with_different_numbers_of_ranks_is_rejected_naming_them() -> None:
+    members = (QuorumMember(replica_id="a", address="m0", store_address="s0", step=3, world_size=2),
+               QuorumMember(replica_id="b", address="m1", store_address="s1", step=3, world_size=1))
+    with pytest.raises(QuorumError, match=r"a has 2, b has 1"):
+        compute_recovery_plan("a", 0, Quorum(quorum_id=4, participants=members), init_sync=True)

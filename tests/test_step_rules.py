@@ -7,7 +7,10 @@ from torch.distributed import ReduceOp
 
 from ft_core import step_rules as rules
 from ft_core.control.recovery import QuorumResult
-from ft_core.step_rules import CommitActions, QuorumActions, StepState, WorldSizeMode
+import torch
+
+from ft_core.errors import CheckpointError, ConfigError
+from ft_core.step_rules import CommitActions, Contribution, QuorumActions, StepState, WorldSizeMode
 
 D, F = WorldSizeMode.DYNAMIC, WorldSizeMode.FIXED_WITH_SPARES
 
@@ -39,9 +42,12 @@ QUORUM_CASES = [
      actions(0, 2, 2, send_to=(2,))),
     ("source without healing allowed: sends nothing", AT_Q1, result(send_to=(2,)), False, True, True, D, 1,
      actions(0, 2, 2)),
-    ("healer in async mode: fetches, does not participate", StepState(step=2, quorum_id=1),
+    ("healer in async mode: fetches, does not participate, counts in the vote (it ends the step in sync)",
+     StepState(step=2, quorum_id=1),
      result(replica_rank=1, world=3, max_replica_rank=None, max_world=2, heal=True), True, True, True, D, 1,
-     actions(None, 2, 2, heal=True)),
+     actions(None, 2, 3, heal=True)),
+    ("min_replica_size 2, one participant + one healer: the heal step can commit (no livelock)", AT_Q1,
+     result(world=2, max_world=1, send_to=(1,)), True, True, True, D, 2, actions(0, 1, 2, send_to=(1,))),
     ("healer in sync mode: loads first, participates", StepState(step=2, quorum_id=1),
      result(replica_rank=1, world=3, max_replica_rank=None, max_world=2, heal=True), True, False, True, D, 1,
      actions(1, 3, 3, heal=True)),
@@ -119,12 +125,88 @@ def test_group_quorum_id_transitions():
     assert rules.on_pg_broken(state) == StepState(step=3, quorum_id=-1)
 
 
-def test_heal_adopts_the_sources_progress():
-    before = StepState(step=2, batches_committed=4, commit_failures=1, quorum_id=7)
-    after = rules.on_heal_fetched(before, {"step": 9, "batches_committed": 18})
-    assert after == StepState(step=9, batches_committed=18, commit_failures=1, quorum_id=7)
+HEALED = rules.HealTarget(step=9, batches_committed=18)
+BEHIND = StepState(step=2, batches_committed=4, commit_failures=1, quorum_id=7)
+
+# One row per scenario of issue 13: (name, decision, local, errored, healed, expected state after)
+HEAL_CASES = [
+    ("heal OK: the healed step is adopted at commit, plus the step committed on top", True, True, False, HEALED,
+     StepState(step=10, batches_committed=19, commit_failures=0, quorum_id=7)),  # 1 participant
+    ("load failed: the rank votes no, keeps its pre-heal step and heals again", False, False, True, None,
+     StepState(step=2, batches_committed=4, commit_failures=2, quorum_id=7)),
+    ("skipped step (no should_commit): nothing is adopted; the next quorum heals again", None, None, None, None,
+     BEHIND),
+    ("partial heal in a 2-rank group: the loaded rank still keeps its step when its peer voted no", False, True,
+     False, HEALED, StepState(step=2, batches_committed=4, commit_failures=2, quorum_id=7)),
+    ("heal OK but too few participants: no commit, pre-heal step kept", False, False, False, HEALED,
+     StepState(step=2, batches_committed=4, commit_failures=2, quorum_id=7)),
+]
 
 
-@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVG])
-def test_non_participants_contribute_zeros_to_sums(op):
-    assert rules.fill_value(op) == 0.0
+@pytest.mark.parametrize("name,decision,local,errored,healed,expected", HEAL_CASES, ids=[c[0] for c in HEAL_CASES])
+def test_a_healed_step_is_adopted_only_when_the_group_commits(name, decision, local, errored, healed, expected):
+    if decision is None:  # the loop never voted: the state is what the quorum left, untouched
+        assert BEHIND == expected
+        return
+    after, _ = rules.on_vote(BEHIND, decision, local=local, errored=errored, num_participants=1, max_retries=None,
+                             healed=healed)
+    assert after == expected
+
+
+def test_a_rank_that_has_not_loaded_its_heal_votes_no():
+    assert rules.local_vote(2, 1, errored=False, heal_loaded=False) is False
+    assert rules.local_vote(2, 1, errored=False, heal_loaded=True) is True
+
+
+def test_a_fetched_checkpoint_for_another_step_or_malformed_is_refused():
+    assert rules.heal_target({"step": 4, "batches_committed": 8}, 4, "g1") == rules.HealTarget(4, 8)
+    with pytest.raises(CheckpointError, match="for step 3, expected 4"):
+        rules.heal_target({"step": 3, "batches_committed": 8}, 4, "g1")
+    with pytest.raises(CheckpointError, match="malformed"):
+        rules.heal_target({"step": "4"}, 4, "g1")
+
+
+def test_durable_progress_is_restored():
+    assert rules.restore(BEHIND, {"step": 9, "batches_committed": 18}) == \
+        StepState(step=9, batches_committed=18, commit_failures=1, quorum_id=7)
+
+
+@pytest.mark.parametrize("participating,errored,expected", [
+    (True, False, Contribution.OWN),
+    ("sync-mode healer whose fetch failed (counted in the divisor)", True, Contribution.BREAK),
+    (False, False, Contribution.IDENTITY),  # healer or spare
+    (False, True, Contribution.IDENTITY),  # async healer whose fetch failed: not counted, peers go on
+])
+def test_what_a_group_contributes(participating, errored, expected):
+    assert rules.contribution(bool(participating), errored) is expected
+
+
+INF = float("inf")
+
+
+@pytest.mark.parametrize("op,dtype,identity", [
+    (ReduceOp.SUM, torch.float32, 0), (ReduceOp.AVG, torch.float32, 0), (ReduceOp.PRODUCT, torch.float32, 1),
+    (ReduceOp.MAX, torch.float32, -INF), (ReduceOp.MIN, torch.float32, INF),
+    (ReduceOp.MAX, torch.int64, torch.iinfo(torch.int64).min), (ReduceOp.MIN, torch.int32, torch.iinfo(torch.int32).max),
+    (ReduceOp.MAX, torch.uint8, 0), (ReduceOp.BAND, torch.int64, -1), (ReduceOp.BAND, torch.uint8, 255),
+    (ReduceOp.BOR, torch.int64, 0), (ReduceOp.BXOR, torch.int64, 0), (ReduceOp.MAX, torch.bool, False),
+])
+def test_non_participants_send_the_identity_of_the_op(op, dtype, identity):
+    value = rules.fill_value(op, dtype)
+    assert value == identity
+    # MAX of [-5, -7] with a healer beside them is -5, not 0
+    if op == ReduceOp.MAX and dtype == torch.float32:
+        assert max(-5.0, -7.0, value) == -5.0
+
+
+def test_an_op_without_an_identity_is_refused():
+    with pytest.raises(ConfigError, match="no identity"):
+        rules.fill_value(ReduceOp.BAND, torch.float32)
+
+
+@pytest.mark.parametrize("groups,reductions,refused", [(2, 0, True), (2, 3, False), (1, 0, False), (0, 0, False)])
+def test_a_step_of_several_groups_without_a_cross_group_reduction_is_refused(groups, reductions, refused):
+    error = rules.unreduced_step(groups, reductions)
+    assert (error is not None) is refused
+    if refused:
+        assert "no cross-group reduction" in str(error) and "DistributedDataParallel" in str(error)

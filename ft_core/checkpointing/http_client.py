@@ -118,7 +118,7 @@ class _Fetch:
                     plan = ser.parse_header_frame(frame)
                     ser.check_step(plan, self.step)
                     return conn, plan
-                if resp.status != 503:
+                if resp.status != 503:  # 410: the source stopped serving this step: no point retrying
                     raise self.refusal(resp, "the header")
                 last = f" (last answer: {resp.read(MAX_ERROR_BODY).decode('utf-8', 'replace')})"
                 conn.close()

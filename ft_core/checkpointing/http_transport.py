@@ -1,11 +1,12 @@
 """HTTPTransport: a healing replica pulls one staged step from a live peer over HTTP, in parallel chunks.
 
-Server side (the source): `send_checkpoint` stages the state for one step. CPU tensors are served
-straight from their memory (no copy); the caller must not mutate them until `disallow_checkpoint()`
-returns, which the Manager guarantees (it disallows in should_commit, before the optimizer step).
-`disallow_checkpoint()` refuses new requests and waits for in-flight chunk responses, so a receiver
-gets either every byte from before the mutation or an error: never a torn state. GPU tensors are
-copied to pinned host memory on a side CUDA stream (off the critical path) and served from there.
+Server side (the source): `send_checkpoint` stages a snapshot of the state for one step: CPU tensors
+are copied once when staged (buffers such as BatchNorm statistics change in the forward pass while
+healers read), GPU tensors are copied to pinned host memory on a side CUDA stream (off the critical
+path). Every healer of one step therefore receives identical bytes, and `disallow_checkpoint()`
+returns at once: readers still streaming finish from the snapshot, which is freed after the last.
+A healer asking for a step this source has stopped serving gets 410 Gone and gives up at once;
+503 means "not staged yet", which it retries until its deadline.
 
 Client side (the healer): fetches the header, then all chunks over several keep-alive connections,
 reading straight into the final tensor storage (`readinto`) and checking each chunk's digest
@@ -22,7 +23,6 @@ from __future__ import annotations
 import hmac
 import logging
 import threading
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -40,6 +40,16 @@ from ft_core.net import format_host_port, split_host_port
 __all__ = ["HTTPTransport", "fetch"]
 
 logger = logging.getLogger(__name__)
+
+
+def _snapshot(encoded: ser.Encoded) -> None:
+    """Copy the host bytes of an encoded state once (its owner trains on while healers read; buffers
+    such as BatchNorm statistics change in the forward pass); device blobs are staged by copy anyway."""
+    for blob in encoded.blobs:
+        if blob.tensor is not None and blob.tensor.device.type == "cpu":
+            blob.tensor = blob.tensor.clone()
+        elif blob.buffer is not None:
+            blob.buffer = memoryview(bytearray(blob.buffer))
 
 
 class HTTPTransport(CheckpointTransport[Any]):
@@ -60,6 +70,8 @@ class HTTPTransport(CheckpointTransport[Any]):
         self.ssl_context = server_ssl_context(self._tls)
         self._lock = threading.Condition()
         self._staged: Staged | None = None
+        self._last_served_step = -1  # highest step staged so far: asking for it later gets 410 Gone
+        self._retired: list[Staged] = []  # disallowed steps whose readers are still streaming
         self._stager = HostStager()
         self._closed = False
         try:
@@ -90,12 +102,14 @@ class HTTPTransport(CheckpointTransport[Any]):
             raise CheckpointError("send_checkpoint on a shut down HTTPTransport")
         self.disallow_checkpoint()
         encoded = ser.encode(state_dict, step=step, chunk_bytes=1, checksum=self._checksum)
+        _snapshot(encoded)
         encoded.chunk_bytes = self._pick_chunk_bytes(encoded.payload_nbytes)
         encoded.header["chunk_bytes"] = encoded.chunk_bytes
         staged = Staged(step, encoded, encoded.header_frame())
         self._stager.stage(staged)
         with self._lock:
             self._staged = staged
+            self._last_served_step = max(self._last_served_step, step)
         logger.info("checkpoint staged", extra={"step": step, "dst_ranks": list(dst_ranks),
                                                 "bytes": encoded.payload_nbytes, "chunks": encoded.num_chunks})
 
@@ -111,9 +125,12 @@ class HTTPTransport(CheckpointTransport[Any]):
         """Register a reader of `step`, or say why not (HTTP status, message)."""
         with self._lock:
             staged = self._staged
+            if staged is None and step <= self._last_served_step:
+                return None, (410, (f"this source has stopped serving step {step} (its step ended); "
+                                    "retry at the next quorum"))
             if staged is None:
-                return None, (503, (f"no checkpoint is staged here (step {step} was requested); the source has "
-                                    "not staged it yet or has stopped serving it: retry until your deadline"))
+                return None, (503, (f"no checkpoint is staged here yet (step {step} was requested): "
+                                    "retry until your deadline"))
             if staged.step != step:
                 return None, (400, (f"this source serves step {staged.step}, not step {step}; the quorum "
                                     "and the source disagree, retry at the next quorum"))
@@ -123,27 +140,27 @@ class HTTPTransport(CheckpointTransport[Any]):
     def release(self, staged: Staged) -> None:
         with self._lock:
             staged.readers -= 1
+            done = staged.readers == 0 and staged in self._retired
+            if done:
+                self._retired.remove(staged)
             self._lock.notify_all()
+        if done:
+            self._stager.recycle(staged)
 
     def disallow_checkpoint(self) -> None:
-        """Stop serving: refuse new requests, let in-flight ones finish (bounded), then return."""
+        """Stop serving new requests and return at once: the served bytes are a snapshot, so the caller
+        may mutate its state now; readers still streaming finish from it (bounded by their timeouts)."""
         with self._lock:
             staged, self._staged = self._staged, None
             if staged is None:
                 return
-            deadline = time.monotonic() + self.timeout_s
-            while staged.readers > 0 and time.monotonic() < deadline:
-                self._lock.wait(deadline - time.monotonic())
-            aborted = staged.readers > 0
-        if aborted:
-            logger.warning("checkpoint readers still streaming at disallow after %.1fs; aborting them",
-                           self.timeout_s, extra={"step": staged.step})
-            self._server.abort_connections()
-            with self._lock:
-                self._lock.wait_for(lambda: staged.readers == 0, timeout=5.0)
+            streaming = staged.readers > 0
+            if streaming:
+                self._retired.append(staged)  # the last reader's release() recycles it
         for event, stream in staged.ready:
             stream.wait_event(event)  # later writes on the training stream wait for the copies
-        self._stager.recycle(staged)
+        if not streaming:
+            self._stager.recycle(staged)
 
     def shutdown(self, wait: bool = True) -> None:
         if self._closed:

@@ -45,6 +45,12 @@ def compute_recovery_plan(replica_id: str, group_rank: int, quorum: Quorum, init
         raise QuorumError(f"replica group {replica_id!r} is not in quorum {quorum.quorum_id} "
                           f"(participants {ids}); it will rejoin at its next quorum call")
     replica_rank = ids.index(replica_id)
+    sizes = {m.world_size for m in participants}
+    if len(sizes) > 1:
+        by_size = ", ".join(f"{m.replica_id} has {m.world_size}" for m in participants)
+        raise QuorumError(f"quorum {quorum.quorum_id} mixes replica groups of different sizes ({by_size} ranks): "
+                          f"every group must run the same number of ranks, since rank r of each group reduces with "
+                          f"rank r of the others; restart the odd group with the same number of processes")
 
     max_step = max(m.step for m in participants)
     at_max_step = [m for m in participants if m.step == max_step]

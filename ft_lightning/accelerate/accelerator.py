@@ -167,6 +167,7 @@ class FaultTolerantAccelerator(Accelerator):
             lighthouse_addr=self.ft.lighthouse,
             replica_id=str(self.ft.replica_group_id),
             token=self.ft.token,
+            hostname=self.ft.host,
         )
 
     # --- the step protocol --------------------------------------------------------------------------------
@@ -200,6 +201,13 @@ class FaultTolerantAccelerator(Accelerator):
         """This process's counters: committed step, steps committed and skipped here, cross-group allreduces."""
         return {"step": self.ft_step, "commits": self._ft_counts["commits"], "skipped": self._ft_counts["skipped"],
                 "cross_group_allreduces": int(self._ft_pg.allreduces)}
+
+    def backward(self, loss: Any, **kwargs: Any) -> None:
+        """One vote per optimizer step: a backward after this window's vote (without a training forward
+        in between) starts the next step, so its gradients are reduced and voted on in a step of their own."""
+        if self.ft_manager is not None and self._ft_window.committed is not None:
+            self.ft_start_step()
+        super().backward(loss, **kwargs)
 
     def _on_training_forward(self, module: torch.nn.Module, args: Any) -> None:
         if module.training and torch.is_grad_enabled():

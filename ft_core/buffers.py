@@ -1,0 +1,37 @@
+"""Buffers (BatchNorm running statistics and the like) kept identical across replica groups, as DDP's
+`broadcast_buffers` keeps them inside a group: before each vote every group takes the buffers of the
+first participant. A broadcast is one SUM per dtype in which every other group sends zeros, so it
+runs over the fault-tolerant process group like any reduction, errors and vote gating included.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.distributed import ReduceOp
+
+__all__ = ["broadcast_by_sum"]
+
+Reduce = Callable[[torch.Tensor, ReduceOp], torch.futures.Future]
+
+
+def broadcast_by_sum(tensors: list[torch.Tensor], root: bool, reduce: Reduce, succeeded: Callable[[], bool]) -> None:
+    """Overwrite `tensors` with the root group's values (the root sends its own, the others zeros)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    pending = []
+    for group in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group]) if root else \
+            torch.zeros(sum(t.numel() for t in group), dtype=group[0].dtype, device=group[0].device)
+        pending.append((group, flat, reduce(flat, ReduceOp.SUM)))
+    for group, flat, fut in pending:
+        fut.wait()
+        if not succeeded():  # a failed reduction: the step will not commit, keep our own values
+            continue
+        offset = 0
+        with torch.no_grad():
+            for t in group:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()

@@ -1,0 +1,109 @@
+"""Healing a replica group that is behind: fetch the source's state during the step, load it at
+commit (DESIGN.md section 7). What is adopted and when is ft_core.step_rules' decision; this module
+moves the bytes and loads them.
+
+`HealSources` keeps the manager clients of recent heal sources open: closing a fresh gRPC channel
+blocks ~0.2 s (grpc's connectivity poller), which would stall every group waiting on the healer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+
+from ft_core import step_rules as rules
+from ft_core.control.manager_client import ManagerClient
+from ft_core.control.recovery import QuorumResult
+from ft_core.errors import CheckpointError, FTError
+
+__all__ = ["FetchedHeal", "HealSources", "load_healed_state", "nbytes"]
+
+MAX_SOURCE_CLIENTS = 4  # heal-source manager clients kept open
+
+
+def nbytes(obj: Any) -> int:
+    """Bytes of the tensors (and array-likes) in a nested state."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(nbytes(v) for v in obj)
+    size = getattr(obj, "nbytes", None)
+    return int(size) if isinstance(size, int) else 0
+
+
+@dataclass
+class FetchedHeal:
+    """A source's state, fetched this step: loaded at commit, its progress adopted if the step commits."""
+
+    user: dict[str, Any]
+    target: rules.HealTarget
+    source_replica_rank: int | None
+    source: str
+    transfer_seconds: float
+    nbytes: int
+    loaded: bool = False
+    load_seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def bandwidth_mb_s(self) -> float:
+        return self.nbytes / max(self.transfer_seconds, 1e-9) / 1e6
+
+
+class HealSources:
+    """Fetches healed states from sources' manager servers and checkpoint transports."""
+
+    def __init__(self, connect_timeout: timedelta, token: str | None) -> None:
+        self._connect_timeout = connect_timeout
+        self._token = token
+        self._clients: dict[str, ManagerClient] = {}
+
+    def fetch(self, result: QuorumResult, group_rank: int, transport: Any, timeout: timedelta) -> FetchedHeal:
+        """The checkpoint of result.max_step from this rank's source (raises on any failure)."""
+        started = time.perf_counter()
+        address = result.recover_src_manager_address
+        client = self._clients.get(address)
+        if client is None:
+            if len(self._clients) >= MAX_SOURCE_CLIENTS:  # oldest first; an old channel closes at once
+                self._clients.pop(next(iter(self._clients))).close()
+            client = self._clients[address] = ManagerClient(address, self._connect_timeout, token=self._token)
+        try:
+            metadata = client.checkpoint_metadata(group_rank, timeout)
+        except FTError:
+            self._clients.pop(address, None)  # likely dead: drop it (its channel is old, closing is quick)
+            client.close()
+            raise
+        state = transport.recv_checkpoint(result.recover_src_replica_rank, metadata, result.max_step, timeout)
+        source = f"replica rank {result.recover_src_replica_rank} ({address})"
+        if not isinstance(state, dict) or not isinstance(state.get("user"), dict):
+            raise CheckpointError(f"checkpoint from {source} is malformed: expected "
+                                  f"{{'user': ..., 'ft': {{step, batches_committed}}}}")
+        target = rules.heal_target(state.get("ft"), result.max_step, source)
+        return FetchedHeal(user=state["user"], target=target, source_replica_rank=result.recover_src_replica_rank,
+                           source=address, transfer_seconds=time.perf_counter() - started,
+                           nbytes=nbytes(state["user"]))
+
+    def close(self) -> None:
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+
+
+def load_healed_state(heal: FetchedHeal, state_fns: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]]
+                      ) -> None:
+    """Hand each registered load function its part of the healed state (raises on any failure)."""
+    started = time.perf_counter()
+    missing = sorted(set(state_fns) - set(heal.user))
+    if missing:
+        raise CheckpointError(f"healed state lacks registered key(s) {missing}; every group must register the same "
+                              f"state dict functions")
+    for key, (load, _) in state_fns.items():
+        load(heal.user[key])
+    heal.loaded = True
+    heal.load_seconds = time.perf_counter() - started

@@ -1,0 +1,154 @@
+"""The step protocol outside the chaos harness's corner (issue 13), with real processes: one process
+per replica group (or torchrun with 2 ranks), a real lighthouse, real Gloo groups and HTTP heals.
+
+Each test failed on main before issue 13's fix (the worker is tests/_protocol_worker.py):
+- a failed heal load, or a skipped vote, left the healer at max_step with its old weights;
+- in sync mode a healer whose fetch failed sent its stale gradient and was counted (50.5 for 1.0);
+- a partial heal in a 2-rank group left its ranks at different steps ("report different steps");
+- healers sent zeros for every op, so MAX of [-5, -7] committed 0;
+- an allreduce after the vote was accepted, so no vote could see it fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from conftest import child_env
+from ft_core.control.lighthouse import LighthouseServer
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_protocol_worker.py")
+
+
+def run_job(processes: Any, tmp_path: Any, groups: list[list[str]], *, min_replicas: int = 1, nproc: int = 1,
+            timeout: float = 90) -> list[dict[str, Any]]:
+    """Run one process (or torchrun of `nproc`) per entry of `groups` (its extra arguments); all rows."""
+    out = tmp_path / "rows.jsonl"
+    with LighthouseServer(min_replicas=min_replicas, join_timeout_ms=10000) as lighthouse:
+        procs = []
+        for i, extra in enumerate(groups):
+            script = [WORKER, "--group", str(i), "--out", str(out), "--min-replicas", str(min_replicas), *extra]
+            if nproc > 1:
+                argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                        "--max-restarts=0", *script]
+            else:
+                argv = [sys.executable, *script]
+            log = open(tmp_path / f"g{i}.log", "w")
+            env = child_env(FT_LIGHTHOUSE=lighthouse.address())
+            procs.append(processes.spawn(argv, env=env, stdout=log, stderr=log))
+        for i, proc in enumerate(procs):
+            code = proc.wait(timeout=timeout)
+            assert code == 0, f"group {i} exited with {code}:\n{(tmp_path / f'g{i}.log').read_text()[-4000:]}"
+    return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+
+
+def finals(rows: list[dict[str, Any]]) -> dict[tuple[int, int], dict[str, Any]]:
+    return {(r["group"], r["rank"]): r for r in rows if r.get("final")}
+
+
+def assert_identical(rows: list[dict[str, Any]]) -> None:
+    end = finals(rows)
+    first = next(iter(end.values()))
+    for who, row in end.items():
+        assert (row["step"], row["w"]) == (first["step"], first["w"]), f"{who} ended {row} vs {first}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fault", [["--fail-loads", "1"], ["--skip-first-vote"]], ids=["load-failed", "skipped-vote"])
+def test_a_healer_whose_heal_was_not_applied_heals_again_and_ends_identical(processes, tmp_path, fault):
+    rows = run_job(processes, tmp_path, [["--start-step", "3", "--init", "1.0", "--steps", "7"],
+                                         ["--init", "9.0", "--steps", "7", *fault]], min_replicas=2)
+    assert_identical(rows)
+    healer = [r for r in rows if r["group"] == 1 and not r.get("final")]
+    assert healer[0]["step_before"] == 0  # the first step healed (and failed or skipped)
+    assert all(r["step"] == 0 for r in healer[:1] if "step" in r), "the healed step was adopted before its load"
+
+
+@pytest.mark.timeout(120)
+def test_sync_quorum_never_commits_a_healer_s_stale_gradient(processes, tmp_path):
+    rows = run_job(processes, tmp_path, [["--sync", "--start-step", "3", "--init", "1.0", "--steps", "6"],
+                                         ["--sync", "--init", "100.0", "--steps", "6", "--fail-fetches", "1"]],
+                   min_replicas=2)
+    assert any(r["group"] == 1 and r["step_before"] == 0 and not r.get("committed") for r in rows if "grad" in r)
+    assert_identical(rows)
+    for r in rows:
+        if r.get("committed"):
+            # every group that commits holds the same weights, so the average gradient is those weights
+            assert r["grad"] == r["w_before"], f"committed a gradient from stale weights: {r}"
+
+
+@pytest.mark.timeout(150)
+def test_a_partial_heal_in_a_two_rank_group_does_not_wedge_it(processes, tmp_path):
+    rows = run_job(processes, tmp_path, [["--start-step", "3", "--init", "1.0", "--steps", "6"],
+                                         ["--init", "9.0", "--steps", "6", "--fail-fetches", "1", "--fail-rank", "1"]],
+                   min_replicas=2, nproc=2, timeout=120)
+    assert_identical(rows)
+    assert len(finals(rows)) == 4
+
+
+@pytest.mark.timeout(120)
+def test_max_with_a_healer_beside_the_participants_is_the_participants_max(processes, tmp_path):
+    rows = run_job(processes, tmp_path, [["--start-step", "3", "--extreme", "max", "--steps", "6"],
+                                         ["--start-step", "3", "--extreme", "max", "--steps", "6"],
+                                         ["--extreme", "max", "--steps", "6"]], min_replicas=3)
+    healing_steps = [r for r in rows if r["group"] == 2 and not r.get("final") and not r["participating"]]
+    assert healing_steps, "group 2 never healed"
+    for r in rows:
+        if "extreme" in r:
+            assert r["extreme"] == -5.0, f"MAX of [-5, -7] (+ a healer) gave {r['extreme']}: {r}"
+    assert any(r.get("committed") for r in healing_steps), "the heal step did not commit"
+    assert_identical(rows)
+
+
+@pytest.mark.timeout(120)
+def test_an_allreduce_after_the_vote_is_refused(processes, tmp_path):
+    rows = run_job(processes, tmp_path, [["--vote-then-reduce", "--steps", "2", "--no-init-sync"],
+                                         ["--vote-then-reduce", "--steps", "2", "--no-init-sync"]], min_replicas=2)
+    late = [r["late_reduce"] for r in rows if "late_reduce" in r]
+    assert late and all("after should_commit()" in text for text in late), late
+    assert_identical(rows)
+
+
+@pytest.mark.timeout(120)
+def test_batchnorm_buffers_are_identical_on_every_group_after_each_committed_step(processes, tmp_path):
+    rows = run_job(processes, tmp_path, [["--model", "batchnorm", "--steps", "5", "--no-init-sync"],
+                                         ["--model", "batchnorm", "--steps", "5", "--no-init-sync"]], min_replicas=2)
+    by_step: dict[int, dict[int, Any]] = {}
+    for r in rows:
+        if "buffers" in r and r["step"] > 0:
+            by_step.setdefault(r["step"], {})[r["group"]] = r["buffers"]
+    assert by_step and all(len(groups) == 2 for groups in by_step.values())
+    for step, groups in by_step.items():
+        assert groups[0] == groups[1], f"BatchNorm statistics differ between groups after step {step}"
+    assert_identical(rows)
+
+
+@pytest.mark.timeout(120)
+def test_a_model_whose_gradients_never_cross_groups_is_refused_not_trained_apart(processes, tmp_path):
+    rows = run_job(processes, tmp_path, [["--model", "unwrapped", "--steps", "3", "--no-init-sync"],
+                                         ["--model", "unwrapped", "--steps", "3", "--no-init-sync"]], min_replicas=2)
+    for who, row in finals(rows).items():
+        assert row["step"] == 0, f"{who} committed steps without any cross-group reduction"
+        assert "no cross-group reduction" in row["error"] and "DistributedDataParallel" in row["error"]
+
+
+@pytest.mark.timeout(120)
+def test_a_quorum_of_groups_with_different_numbers_of_ranks_is_rejected_naming_them(processes, tmp_path):
+    out = tmp_path / "rows.jsonl"
+    with LighthouseServer(min_replicas=2, join_timeout_ms=10000) as lighthouse:
+        env = child_env(FT_LIGHTHOUSE=lighthouse.address())
+        common = ["--out", str(out), "--min-replicas", "2", "--steps", "2", "--no-init-sync", "--timeout", "5"]
+        two = processes.spawn([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                               "--max-restarts=0", WORKER, "--group", "0", *common], env=env,
+                              stdout=open(tmp_path / "g0.log", "w"), stderr=subprocess.STDOUT)
+        one = processes.spawn([sys.executable, WORKER, "--group", "1", *common], env=env,
+                              stdout=open(tmp_path / "g1.log", "w"), stderr=subprocess.STDOUT)
+        assert one.wait(timeout=90) != 0 and two.wait(timeout=90) != 0
+    for name in ("g0.log", "g1.log"):
+        text = (tmp_path / name).read_text()
+        assert "mixes replica groups of different sizes" in text and "has 2" in text and "has 1" in text, text[-3000:]
