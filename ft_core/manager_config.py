@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from ft_core import settings
+from ft_core import net, settings
 from ft_core.errors import ConfigError
 
 __all__ = ["ManagerConfig", "WorldSizeMode", "env_int", "resolve_config"]
@@ -47,6 +47,7 @@ class ManagerConfig:
     max_retries: int | None
     quorum_retries: int
     token: str | None = field(default=None, repr=False)
+    bind_host: str = "127.0.0.1"  # what servers listen on: `hostname`'s address, or a wildcard with FT_BIND_ALL
 
 
 def env_int(name: str, environ: Mapping[str, str] | None = None) -> int | None:
@@ -63,12 +64,13 @@ def env_int(name: str, environ: Mapping[str, str] | None = None) -> int | None:
 def resolve_config(*, replica_id: str | None, rank: int | None, world_size: int | None,
                    min_replica_size: int | None, use_async_quorum: bool | None, timeout: Any, quorum_timeout: Any,
                    connect_timeout: Any, world_size_mode: WorldSizeMode | str | None,
-                   lighthouse_addr: str | list[str] | None, port: int | None, hostname: str,
+                   lighthouse_addr: str | list[str] | None, port: int | None, hostname: str | None,
                    heartbeat_interval: timedelta, init_sync: bool, max_retries: int | None,
-                   quorum_retries: int | None, token: str | None,
+                   quorum_retries: int | None, token: str | None, bind_all: bool | None = None,
                    environ: Mapping[str, str] | None = None) -> ManagerConfig:
     """Arguments, then FT_* overrides (ft_core.settings); group rank/size and the replica name's prefix
-    fall back to torchrun's RANK/WORLD_SIZE and the launcher's REPLICA_GROUP_ID."""
+    fall back to torchrun's RANK/WORLD_SIZE and the launcher's REPLICA_GROUP_ID. The advertised host is
+    FT_HOST / `hostname`, else the local address of the route toward the lighthouse (ft_core.net)."""
     def value(env: str, arg: Any) -> Any:
         return settings.value(env, arg, environ)
 
@@ -84,6 +86,8 @@ def resolve_config(*, replica_id: str | None, rank: int | None, world_size: int 
         raise ConfigError(f"max_retries must be None or >= 0, got {max_retries}")
     base = replica_id if replica_id is not None else (settings.lookup("REPLICA_GROUP_ID", environ) or "")
     addr = ",".join(lighthouse_addr) if isinstance(lighthouse_addr, (list, tuple)) else lighthouse_addr
+    lighthouse = value("FT_LIGHTHOUSE", addr)
+    host = net.advertised_host(value("FT_HOST", hostname), lighthouse)
     return ManagerConfig(
         replica_id=f"{base}:{uuid.uuid4().hex[:12]}" if base else uuid.uuid4().hex[:12],
         group_rank=group_rank, group_world_size=group_world_size, min_replica_size=min_size,
@@ -92,6 +96,7 @@ def resolve_config(*, replica_id: str | None, rank: int | None, world_size: int 
         quorum_timeout=value("FT_QUORUM_TIMEOUT_SEC", quorum_timeout),
         connect_timeout=value("FT_CONNECT_TIMEOUT_SEC", connect_timeout),
         world_size_mode=WorldSizeMode(value("FT_WORLD_SIZE_MODE", world_size_mode)),
-        lighthouse_addr=value("FT_LIGHTHOUSE", addr), port=value("FT_MANAGER_PORT", port), hostname=hostname,
+        lighthouse_addr=lighthouse, port=value("FT_MANAGER_PORT", port), hostname=host,
+        bind_host=net.bind_host(host, value("FT_BIND_ALL", bind_all)),
         heartbeat_interval=heartbeat_interval, init_sync=init_sync, max_retries=max_retries,
         quorum_retries=value("FT_QUORUM_RETRIES", quorum_retries), token=value("FT_TOKEN", token) or None)

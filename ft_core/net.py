@@ -4,17 +4,30 @@ Every component (lighthouse, manager server, store, checkpoint server, status CL
 through here, so they all accept the same forms and reject bad ones with the same ConfigError,
 naming the bad value and the expected form. An IPv6 host takes brackets when a port follows
 (`[::1]:29510`); without a port it may be written bare (`::1`).
+
+It also decides which local address a replica group advertises (`advertised_host`): FT_HOST or
+`host=` when given, else the source address of the route toward the lighthouse, so groups on other
+machines need no setting and a lighthouse on loopback keeps the whole job on loopback.
 """
 
 from __future__ import annotations
 
+import fcntl
+import ipaddress
+import logging
 import socket
+import struct
 
-from ft_core.errors import ConfigError
+from ft_core.errors import ConfigError, RPCError
+
+logger = logging.getLogger(__name__)
 
 SCHEMES = ("http://", "https://", "grpc://")
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 MAX_PORT = 65535
+LOOPBACK_HOST = "127.0.0.1"
+_SIOCGIFADDR = 0x8915  # linux/sockios.h: an interface's IPv4 address
+_ROUTE_PROBE_PORT = 9  # any port: a UDP connect() sends nothing, it only picks the route
 HOST_PORT_FORM = "HOST:PORT or [IPv6]:PORT (e.g. 127.0.0.1:29510)"
 STORE_FORM = "'host:port/prefix' (for example '127.0.0.1:29500/ft/3/0')"
 
@@ -111,3 +124,173 @@ def parse_store_addr(store_addr: str) -> tuple[str, int, str]:
 def format_store_addr(host: str, port: int, prefix: str) -> str:
     """(host, port, prefix) -> 'host:port/prefix' (IPv6 hosts in brackets)."""
     return f"{format_host_port(host, port)}/{prefix}"
+
+
+# ---- which local address to advertise ------------------------------------------------------------------
+
+def is_ip_literal(host: str) -> bool:
+    """True for an IPv4/IPv6 address (IPv6 optionally in brackets or with a %zone), False for a name."""
+    try:
+        ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return False
+    return True
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost, 127.x.y.z and ::1 (no name lookup: other names are not loopback here)."""
+    bare = host.strip("[]")
+    if bare == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(bare.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def local_address_toward(host: str, port: int = _ROUTE_PROBE_PORT) -> str:
+    """The source address the kernel picks to reach `host` (an address or a name): a UDP connect(),
+    which consults the routing table and sends no packet. OSError when there is no route."""
+    bare = host.strip("[]")
+    infos = socket.getaddrinfo(bare, port, type=socket.SOCK_DGRAM)
+    last: OSError | None = None
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as sock:
+            try:
+                sock.connect(sockaddr)
+            except OSError as exc:  # e.g. ENETUNREACH: try the name's next address
+                last = exc
+                continue
+            return str(sock.getsockname()[0])
+    raise last if last is not None else OSError(f"{host!r} resolved to no address")
+
+
+def _ipv4_of(name: str) -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            reply = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+        except OSError:  # the interface has no IPv4 address
+            return None
+    return socket.inet_ntoa(reply[20:24])
+
+
+def _ipv6_interfaces(path: str = "/proc/net/if_inet6") -> dict[str, str]:
+    """{IPv6 address: interface name} from the kernel's table (empty where it is absent)."""
+    out: dict[str, str] = {}
+    try:
+        with open(path) as table:
+            for line in table:
+                fields = line.split()
+                if len(fields) >= 6 and len(fields[0]) == 32:
+                    packed = bytes.fromhex(fields[0])
+                    out[str(ipaddress.IPv6Address(packed))] = fields[5]
+    except OSError:
+        return {}
+    return out
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the local interface that carries `address` (e.g. 'eth0', 'lo'); None when none does.
+    IPv4 through SIOCGIFADDR over socket.if_nameindex(), IPv6 through /proc/net/if_inet6."""
+    bare = address.strip("[]").split("%", 1)[0]
+    try:
+        ip = ipaddress.ip_address(bare)
+    except ValueError:
+        return None
+    if ip.version == 6:
+        return _ipv6_interfaces().get(str(ip))
+    for _, name in socket.if_nameindex():
+        if _ipv4_of(name) == str(ip):
+            return name
+    return None
+
+
+def _lighthouse_hosts(lighthouse_addrs: str | list[str] | tuple[str, ...] | None) -> list[str]:
+    if not lighthouse_addrs:
+        return []
+    hosts = []
+    for addr in split_addresses(lighthouse_addrs):
+        try:
+            hosts.append(split_host_port(addr, "lighthouse address", default_port=0)[0])
+        except ConfigError:
+            continue  # a malformed address is reported by the lighthouse client, with its own message
+    return hosts
+
+
+def advertised_host(explicit_host: str | None,
+                    lighthouse_addrs: str | list[str] | tuple[str, ...] | None) -> str:
+    """The host a replica group advertises for its servers: `explicit_host` (FT_HOST / host=, an address
+    or a name) when given; else the local address of the route toward the first lighthouse that has one
+    (loopback for a lighthouse on loopback); else 127.0.0.1."""
+    if explicit_host is not None and explicit_host.strip():
+        return explicit_host.strip().strip("[]")
+    hosts = _lighthouse_hosts(lighthouse_addrs)
+    for host in hosts:
+        if host in WILDCARD_HOSTS or is_loopback(host):
+            return LOOPBACK_HOST if ":" not in host else "::1"
+        try:
+            return local_address_toward(host)
+        except OSError as exc:
+            logger.warning("no route toward lighthouse host %s (%s); trying the next one", host, exc)
+    if hosts:
+        logger.warning("no route toward any lighthouse (%s): advertising %s; set FT_HOST to this machine's "
+                       "address if other machines must reach it", ",".join(hosts), LOOPBACK_HOST)
+    return LOOPBACK_HOST
+
+
+def bind_host(advertised: str, bind_all: bool = False) -> str:
+    """The host servers bind for `advertised`: the address itself (a name resolved to its first
+    address); with `bind_all`, the wildcard of its family ('0.0.0.0' or '::')."""
+    bare = advertised.strip("[]")
+    if bind_all:
+        return "::" if ":" in bare else "0.0.0.0"
+    if is_ip_literal(bare):
+        return bare
+    try:
+        return str(socket.getaddrinfo(bare, None, type=socket.SOCK_STREAM)[0][4][0])
+    except OSError as exc:
+        raise ConfigError(f"host {advertised!r} (FT_HOST or host=) does not resolve ({exc}); give this machine's "
+                          f"address or a name that resolves") from None
+
+
+# ---- reaching the lighthouse at start ----------------------------------------------------------------
+
+DIAL_TIMEOUT_S = 3.0
+
+
+def check_reachable(addrs: str | list[str] | tuple[str, ...], what: str = "lighthouse",
+                    timeout_s: float = DIAL_TIMEOUT_S, hint: str = "FT_LIGHTHOUSE") -> str:
+    """The first of `addrs` that accepts a TCP connection within `timeout_s`, each checked for form and port
+    range first (ConfigError). None reachable: RPCError (code UNAVAILABLE) naming every address and why.
+
+    Called once at start, so a typo or a lighthouse that is not running is reported in seconds rather
+    than at a quorum deadline; the caller decides whether to fail or to warn and keep trying.
+    """
+    items = split_addresses(addrs)
+    if not items:
+        raise ConfigError(f"no {what} address given; set {hint} to HOST:PORT (e.g. 127.0.0.1:29510)")
+    problems = []
+    for item in items:
+        host, port = split_host_port(item, f"{what} address", default_host=None, hint=f"set {hint}")
+        if port == 0:
+            raise ConfigError(f"{what} address {item!r} has port 0; give the port it listens on ({hint})")
+        try:
+            with socket.create_connection((host.strip("[]"), port), timeout=timeout_s):
+                return format_host_port(host, port)
+        except socket.timeout:
+            problems.append(f"{item}: no answer within {timeout_s:g} s")
+        except OSError as exc:
+            problems.append(f"{item}: {exc.strerror or exc}")
+    raise RPCError(f"cannot reach the {what} ({'; '.join(problems)}): is it running and is {hint} right?",
+                   peer=",".join(items), call="connect", code="UNAVAILABLE")
+
+
+def describe_route(address: str) -> str:
+    """'HOST via IFACE from LOCAL' for logs: where traffic toward `address` (host:port, a URL or a host)
+    leaves this machine; the address unchanged, with '(route unknown)', when it has no route or no host."""
+    try:
+        host, _ = split_host_port(address, "address", default_host=None, default_port=0)
+        local = local_address_toward(host)
+    except (ConfigError, OSError, UnicodeError):
+        return f"{address} (route unknown)"
+    return f"{host} via {interface_of(local) or '?'} from {local}"

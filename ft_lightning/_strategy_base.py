@@ -29,6 +29,8 @@ class FTStrategyBase:
         cross_group_backend: FT_BACKEND, "gloo", "nccl" or "auto" (nccl on CUDA, else gloo).
         use_async_quorum: FT_ASYNC_QUORUM, overlap the quorum with the forward pass (default True).
         manager_port: port of this group's manager server (FT_MANAGER_PORT; default OS-chosen).
+        host: FT_HOST, the address or name this group advertises to other groups (default: this machine's
+            address on the route toward the lighthouse, so groups on other machines need no setting).
         manager_kwargs: any other `ft_core.Manager` argument.
         process_group_timeout: timeout of Lightning's own (intra-group) process group.
         **kwargs: passed to the `DDPStrategy` (accelerator, cluster_environment, ...).
@@ -43,7 +45,8 @@ class FTStrategyBase:
                  quorum_timeout: timedelta | float | None = None, connect_timeout: timedelta | float | None = None,
                  world_size_mode: str | None = None, token: str | None = None,
                  cross_group_backend: str | None = None, use_async_quorum: bool | None = None,
-                 manager_port: int | None = None, manager_kwargs: dict[str, Any] | None = None,
+                 manager_port: int | None = None, host: str | None = None,
+                 manager_kwargs: dict[str, Any] | None = None,
                  process_group_timeout: timedelta | None = None, **kwargs: Any) -> None:
         if process_group_timeout is not None:
             kwargs["timeout"] = process_group_timeout
@@ -53,7 +56,7 @@ class FTStrategyBase:
             num_replica_groups=num_replica_groups, min_replica_size=min_replica_size, timeout=timeout,
             quorum_timeout=quorum_timeout, connect_timeout=connect_timeout, world_size_mode=world_size_mode,
             token=token, cross_group_backend=cross_group_backend, use_async_quorum=use_async_quorum,
-            manager_port=manager_port)
+            manager_port=manager_port, host=host)
         self._manager_kwargs = dict(manager_kwargs or {})
         self._manager: Any = None
         self._manager_live = False

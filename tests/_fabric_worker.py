@@ -73,6 +73,7 @@ def main() -> None:
 
     torch.save(model.module.state_dict() if hasattr(model, "module") else model.state_dict(),
                os.path.join(args.out, f"weights_g{args.group}.pt"))
+    torch.save(optimizer.state_dict(), os.path.join(args.out, f"optimizer_g{args.group}.pt"))
     with open(os.path.join(args.out, f"summary_g{args.group}.json"), "w") as f:
         json.dump({"step": manager.current_step(), "events": events.counts,
                    "lr": optimizer.param_groups[0]["lr"], "sampler": strategy.distributed_sampler_kwargs}, f)

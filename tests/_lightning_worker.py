@@ -151,6 +151,8 @@ class Recorder(pl.Callback):
     def on_train_end(self, trainer, pl_module):  # type: ignore[no-untyped-def]
         rank = trainer.global_rank
         torch.save(pl_module.state_dict(), os.path.join(self.args.out, f"weights_g{self.args.group}_r{rank}.pt"))
+        torch.save(trainer.optimizers[0].state_dict(),
+                   os.path.join(self.args.out, f"optimizer_g{self.args.group}_r{rank}.pt"))
         summary = {"group": self.args.group, "rank": rank, "global_step": trainer.global_step,
                    "epoch": trainer.current_epoch, "manager_step": trainer.strategy.manager.current_step(),
                    "lr": trainer.optimizers[0].param_groups[0]["lr"], "allreduces": ALLREDUCES[0],
@@ -166,6 +168,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--group", type=int, required=True)
     parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--num-nodes", type=int, default=1, help="machines the group spans (under torchrun)")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--epochs", type=int, default=2)
@@ -190,7 +193,7 @@ def main() -> None:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=2,
                                                       save_top_k=1))
     trainer = pl.Trainer(strategy="fault_tolerant_ddp", accelerator=args.accelerator, devices=args.devices,
-                         max_epochs=args.epochs, accumulate_grad_batches=args.accumulate,
+                         num_nodes=args.num_nodes, max_epochs=args.epochs, accumulate_grad_batches=args.accumulate,
                          default_root_dir=args.out, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, enable_checkpointing=args.checkpoint,
                          num_sanity_val_steps=0, callbacks=callbacks)

@@ -108,3 +108,6 @@ def processes() -> Iterator[Processes]:
         yield procs
     finally:
         procs.end_all()
+
+
+from netns import simulated_hosts  # noqa: E402,F401  (multi-host fixture: simulated hosts, tests/netns.py)

@@ -86,7 +86,7 @@ def test_plugin_defaults(clean_env):
     assert plugin.settings() == {
         "lighthouse": LH, "replica_group_id": 0, "num_replica_groups": 1, "min_replica_size": 1, "timeout": 60.0,
         "quorum_timeout": 60.0, "connect_timeout": 60.0, "world_size_mode": "dynamic", "backend": "auto",
-        "async_quorum": True, "token": None}
+        "async_quorum": True, "token": None, "host": None}
 
 
 def test_plugin_is_frozen_and_hides_the_token(clean_env):
@@ -182,7 +182,7 @@ def test_launch_precedence_is_flag_then_environment_then_config_file(file_values
 def test_settings_travel_as_environment_variables_the_plugin_reads_back(clean_env):
     values = {"lighthouse": LH, "replica_group_id": 1, "num_replica_groups": 2, "timeout": 2.5, "async_quorum": False,
               "world_size_mode": "fixed_with_spares", "backend": "gloo", "min_replica_size": 2,
-              "quorum_timeout": 7.0, "connect_timeout": 3.0, "token": "abc"}
+              "quorum_timeout": 7.0, "connect_timeout": 3.0, "token": "abc", "host": "10.0.0.7"}
     env = settings_to_env(values)
     assert env["FT_ASYNC_QUORUM"] == "0" and env["REPLICA_GROUP_ID"] == "1"
     for key, value in env.items():

@@ -1,16 +1,27 @@
-"""ft_core.net: the one address parser, as tables of accepted and rejected forms."""
+"""ft_core.net: the one address parser, as tables of accepted and rejected forms; and the rule for the
+address a replica group advertises (FT_HOST, else the route toward the lighthouse), on loopback and
+across simulated hosts (tests/netns.py)."""
 
 from __future__ import annotations
 
 import socket
+import sys
 
 import pytest
 
 from ft_core.errors import ConfigError
+from ft_core.manager_config import resolve_config
 from ft_core.net import (
+    advertised_host,
+    bind_host,
+    describe_route,
     dial_host,
     format_host_port,
     format_store_addr,
+    interface_of,
+    is_ip_literal,
+    is_loopback,
+    local_address_toward,
     normalize_address,
     parse_store_addr,
     split_addresses,
@@ -144,3 +155,105 @@ def test_bad_store_address_is_a_config_error_naming_the_value(text, message):
     with pytest.raises(ConfigError, match=message) as info:
         parse_store_addr(text)
     assert repr(text) in str(info.value)
+
+
+# ---- the address a group advertises ------------------------------------------------------------------
+
+@pytest.mark.parametrize("explicit, lighthouses, expected", [
+    ("10.1.2.3", "127.0.0.1:29510", "10.1.2.3"),       # FT_HOST / host= wins
+    ("node-7.cluster", "127.0.0.1:1", "node-7.cluster"),  # a name is advertised as given
+    (" [::1] ", None, "::1"),
+    ("", "127.0.0.1:29510", "127.0.0.1"),              # empty: unset
+    (None, "127.0.0.1:29510", "127.0.0.1"),            # a lighthouse on loopback keeps the job on loopback
+    (None, "localhost:29510", "127.0.0.1"),
+    (None, "[::1]:29510", "::1"),
+    (None, "0.0.0.0:29510", "127.0.0.1"),
+    (None, ["grpc://127.0.0.1:1", "10.9.9.9:2"], "127.0.0.1"),  # the first lighthouse decides
+    (None, None, "127.0.0.1"),                          # no lighthouse: loopback
+    (None, "", "127.0.0.1"),
+])
+def test_advertised_host_rule(explicit, lighthouses, expected):
+    assert advertised_host(explicit, lighthouses) == expected
+
+
+@pytest.mark.parametrize("host, bind_all, expected", [
+    ("10.1.2.3", False, "10.1.2.3"),
+    ("10.1.2.3", True, "0.0.0.0"),
+    ("::1", False, "::1"),
+    ("[::1]", True, "::"),
+    ("127.0.0.1", False, "127.0.0.1"),
+])
+def test_servers_bind_the_advertised_address_or_the_wildcard(host, bind_all, expected):
+    assert bind_host(host, bind_all) == expected
+
+
+def test_an_unresolvable_host_name_is_a_config_error_naming_it():
+    with pytest.raises(ConfigError, match="no-such-host.invalid.*FT_HOST"):
+        bind_host("no-such-host.invalid")
+
+
+@pytest.mark.parametrize("host, literal, loopback", [
+    ("127.0.0.1", True, True), ("127.0.1.1", True, True), ("::1", True, True), ("[::1]", True, True),
+    ("localhost", False, True), ("10.0.0.1", True, False), ("fe80::1%eth0", True, False), ("node1", False, False),
+])
+def test_literal_and_loopback_hosts(host, literal, loopback):
+    assert (is_ip_literal(host), is_loopback(host)) == (literal, loopback)
+
+
+def test_loopback_route_and_interface():
+    assert local_address_toward("127.0.0.1") == "127.0.0.1"
+    assert interface_of("127.0.0.1") == "lo"
+    assert interface_of("192.0.2.1") is None and interface_of("not an address") is None
+
+
+@pytest.mark.parametrize("address, expected", [
+    ("http://127.0.0.1:4567", "127.0.0.1 via lo from 127.0.0.1"),
+    ("127.0.0.1:1", "127.0.0.1 via lo from 127.0.0.1"),
+    ("pg:rank3", "pg:rank3 (route unknown)"),  # not an address (another transport's metadata)
+    ("", " (route unknown)"),
+])
+def test_describe_route_names_the_interface_traffic_leaves_by(address, expected):
+    assert describe_route(address) == expected
+
+
+def test_the_manager_config_resolves_ft_host_and_ft_bind_all():
+    base = dict(replica_id="g", rank=0, world_size=1, min_replica_size=None, use_async_quorum=None, timeout=None,
+                quorum_timeout=None, connect_timeout=None, world_size_mode=None, lighthouse_addr="127.0.0.1:1",
+                port=None, heartbeat_interval=0.1, init_sync=True, max_retries=None, quorum_retries=None,
+                token=None)
+    default = resolve_config(hostname=None, environ={}, **base)
+    assert (default.hostname, default.bind_host) == ("127.0.0.1", "127.0.0.1")
+    assert resolve_config(hostname="10.1.2.3", environ={}, **base).bind_host == "10.1.2.3"
+    env = resolve_config(hostname="10.1.2.3", environ={"FT_HOST": "10.4.5.6", "FT_BIND_ALL": "1"}, **base)
+    assert (env.hostname, env.bind_host) == ("10.4.5.6", "0.0.0.0")  # the variable wins, as everywhere
+
+
+ROUTE_PROBE = """
+import logging, sys
+from ft_core import net
+from ft_core.process_groups.child import gloo_bind_address
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
+peer, lighthouse = sys.argv[1], sys.argv[2]
+mine = net.local_address_toward(peer)
+print(mine, net.interface_of(mine), net.advertised_host(None, lighthouse + ":29510"), gloo_bind_address(peer))
+print(net.describe_route(f"http://{peer}:8000"))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_across_simulated_hosts_the_route_gives_this_hosts_address_and_interface(simulated_hosts):
+    hosts = simulated_hosts(2)
+    a, b = hosts[0], hosts[1]
+    first, second = hosts.run(a, [sys.executable, "-c", ROUTE_PROBE, b.address, b.address]).stdout.splitlines()
+    assert first.split() == [a.address, "eth0", a.address, a.address]
+    assert second == f"{b.address} via eth0 from {a.address}"
+
+
+@pytest.mark.timeout(60)
+def test_without_a_route_to_the_lighthouse_the_group_falls_back_to_loopback_and_says_why(simulated_hosts):
+    hosts = simulated_hosts(1)
+    code = ("import logging, sys; from ft_core import net; logging.basicConfig(stream=sys.stdout);"
+            "print(net.advertised_host(None, '192.0.2.9:29510'))")
+    out = hosts.run(hosts[0], [sys.executable, "-c", code]).stdout
+    assert "no route toward any lighthouse" in out and "FT_HOST" in out
+    assert out.strip().splitlines()[-1] == "127.0.0.1"

@@ -36,6 +36,7 @@ from torch._C._distributed_c10d import (
 )
 from torch._C._distributed_c10d import ProcessGroup as C10dGroup
 
+from ft_core import net
 from ft_core.net import parse_store_addr
 
 # Error messages from gloo/NCCL/the store that mean "a deadline passed" rather than "something broke".
@@ -55,6 +56,35 @@ def error_kind(exc: BaseException) -> str:
     return "error"
 
 
+# NCCL aborts a non-blocking communicator reliably from another thread while one of its ops hangs only
+# from this version on; with older NCCL, ncclCommAbort itself can hang, so ProcessGroupNCCL falls back
+# to a blocking communicator whose hung op ends the process (torch's watchdog) instead.
+NONBLOCKING_ABORT_MIN_NCCL = (2, 25)
+
+
+def parse_nccl_version(version: Any) -> tuple[int, int, int]:
+    """(major, minor, patch) from torch.cuda.nccl.version(): a tuple (torch >= 1.13) or the old int code."""
+    if isinstance(version, int):
+        if version >= 10000:  # NCCL >= 2.9: major * 10000 + minor * 100 + patch
+            return version // 10000, (version % 10000) // 100, version % 100
+        return version // 1000, (version % 1000) // 100, version % 100
+    major, minor, patch = (int(part) for part in tuple(version)[:3])
+    return major, minor, patch
+
+
+def nccl_version() -> tuple[int, int, int] | None:
+    """The NCCL version torch was built with; None when this torch has no NCCL (CPU builds)."""
+    try:
+        return parse_nccl_version(torch.cuda.nccl.version())
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
+
+
+def supports_nonblocking_abort(version: tuple[int, ...] | None) -> bool:
+    """True when NCCL `version` can abort a non-blocking communicator with an op in flight."""
+    return version is not None and tuple(version[:2]) >= NONBLOCKING_ABORT_MIN_NCCL
+
+
 def connect_store(store_addr: str, timeout: timedelta) -> PrefixStore:
     """A TCPStore client (never the master) under the address's prefix; raises after `timeout`."""
     host, port, prefix = parse_store_addr(store_addr)
@@ -63,7 +93,42 @@ def connect_store(store_addr: str, timeout: timedelta) -> PrefixStore:
 
 
 def is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
+    return net.is_loopback(host)
+
+
+def gloo_bind_address(store_host: str) -> str | None:
+    """The local address a Gloo group binds to reach peers that rendezvous at `store_host`: loopback for
+    a loopback store, else the source address of the route toward it (not the host name's address, which
+    is 127.0.1.1 on many Debian/Ubuntu hosts); None (Gloo's default device) when there is no route."""
+    if is_loopback(store_host):
+        return "127.0.0.1"
+    try:
+        return net.local_address_toward(store_host)
+    except OSError:
+        return None
+
+
+def gloo_devices(hostname: str | None) -> list[Any]:
+    """Gloo devices: GLOO_SOCKET_IFNAME's interfaces when set (comma-separated, as plain torch reads it),
+    else one bound to `hostname`, else Gloo's default."""
+    from torch._C._distributed_c10d import ProcessGroupGloo
+
+    names = [n.strip() for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n.strip()]
+    if names:
+        return [ProcessGroupGloo.create_device(interface=name) for name in names]
+    return [ProcessGroupGloo.create_device(hostname=hostname) if hostname else ProcessGroupGloo.create_default_device()]
+
+
+def use_nccl_interface_toward(store_host: str) -> None:
+    """Point NCCL's bootstrap and socket transport at the interface of the route toward `store_host`,
+    unless NCCL_SOCKET_IFNAME is set (then NCCL reads it, as in plain torch) or the store is on loopback
+    (NCCL's own choice, as before). NCCL reads the variable once per process, at its first communicator."""
+    if os.environ.get("NCCL_SOCKET_IFNAME") or is_loopback(store_host):
+        return
+    address = gloo_bind_address(store_host)
+    name = net.interface_of(address) if address else None
+    if name:
+        os.environ["NCCL_SOCKET_IFNAME"] = f"={name}"
 
 
 class Waiter:
@@ -209,7 +274,8 @@ def new_backend(backend: str, store: Any, rank: int, world_size: int, connect_ti
                 global_ranks: list[int] | None) -> Any:
     """Build a c10d group for `backend` ('gloo', 'nccl' or 'xccl'); used in-process and in children.
 
-    Gloo: `device` is the hostname to bind ('' = the default interface). NCCL/XCCL: the device string.
+    Gloo: `device` is the address to bind ('' = the default interface; GLOO_SOCKET_IFNAME wins when set).
+    NCCL/XCCL: the device string.
     The connect deadline covers building the group; the op deadline applies to each collective after.
     """
     ranks = list(global_ranks or range(world_size))
@@ -218,8 +284,7 @@ def new_backend(backend: str, store: Any, rank: int, world_size: int, connect_ti
 
         opts = ProcessGroupGloo._Options()
         opts._timeout = connect_timeout
-        opts._devices = [ProcessGroupGloo.create_device(hostname=device) if device
-                         else ProcessGroupGloo.create_default_device()]
+        opts._devices = gloo_devices(device)
         opts.group_name = group_name
         opts.global_ranks_in_group = ranks
         pg = ProcessGroupGloo(store, rank, world_size, opts)
@@ -286,6 +351,8 @@ def main(requests: Any, replies: Any, spec: ChildSpec) -> None:
     try:
         if dev is not None:
             dev.set_device(torch.device(spec.device or accel))
+        if spec.backend == "nccl":
+            use_nccl_interface_toward(parse_store_addr(spec.store_addr)[0])
         timeout = timedelta(seconds=spec.timeout_s)
         start = timedelta(seconds=spec.start_timeout_s)
         store = connect_store(spec.store_addr, start)

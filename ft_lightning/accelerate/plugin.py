@@ -64,6 +64,7 @@ SETTINGS: tuple[Setting, ...] = tuple(Setting(name, ft_settings.get(env)) for na
     ("backend", "FT_BACKEND"),
     ("async_quorum", "FT_ASYNC_QUORUM"),
     ("token", "FT_TOKEN"),
+    ("host", "FT_HOST"),
 ))
 SETTINGS_BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
 # Old names kept for one release (ft-lightning 0.1 called the group index `replica_id`; a group's name is
@@ -165,7 +166,9 @@ class FaultTolerancePlugin:
 
     Environment variables: FT_LIGHTHOUSE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, FT_MIN_REPLICA_SIZE,
     FT_TIMEOUT_SEC, FT_QUORUM_TIMEOUT_SEC, FT_CONNECT_TIMEOUT_SEC, FT_WORLD_SIZE_MODE, FT_BACKEND,
-    FT_ASYNC_QUORUM, FT_TOKEN (a set variable overrides the argument). Frozen once resolved.
+    FT_ASYNC_QUORUM, FT_TOKEN, FT_HOST (a set variable overrides the argument). Frozen once resolved.
+    `host` is the address or name this group advertises (default: this machine's address on the route
+    toward the lighthouse, so groups on other machines need no setting).
     `replica_id=<int>` is a deprecated alias of `replica_group_id` (the group's index).
     """
 
@@ -180,6 +183,7 @@ class FaultTolerancePlugin:
     backend: str | None = None
     async_quorum: bool | None = None
     token: str | None = field(default=None, repr=False)
+    host: str | None = None
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
     replica_id: InitVar[int | None] = None  # deprecated: replica_group_id
 
