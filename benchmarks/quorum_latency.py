@@ -38,7 +38,7 @@ GroupHandle = tuple[Callable[[int], int], Callable[[], None], Callable[[], None]
 
 def _start_lighthouse(impl: str) -> tuple[str, Callable[[], None], Callable[[str], bool]]:
     """(address, shutdown, is_waiting(replica_id)) of a lighthouse of implementation `impl`."""
-    if impl == "ft_core":
+    if impl in ("ft_core", "ft_core_sim"):
         from ft_core.control.lighthouse import LighthouseServer
 
         server = LighthouseServer(min_replicas=1, join_timeout_ms=30_000, http_bind=None)
@@ -56,6 +56,24 @@ def _start_lighthouse(impl: str) -> tuple[str, Callable[[], None], Callable[[str
 
 
 def _start_group(impl: str, replica_id: str, lighthouse_addr: str) -> GroupHandle:
+    if impl == "ft_core_sim":  # a simulated member: one heartbeat stream carrying its quorum, no manager server
+        from ft_core.control.lighthouse_client import LighthouseClient, StreamUnavailable
+        from ft_core.control.types import QuorumMember
+
+        client = LighthouseClient(lighthouse_addr)
+        stream = client.start_heartbeat_stream(replica_id)
+        use_stream = os.environ.get("FT_STREAM_QUORUM", "1") not in ("0", "false")  # 0: unary calls (before)
+
+        def sim_quorum(step: int) -> int:
+            member = QuorumMember(replica_id, address="127.0.0.1:1", step=step)
+            try:
+                if not use_stream:
+                    raise StreamUnavailable("stream quorum off", peer="", call="", code="UNAVAILABLE")
+                return stream.quorum(member, CALL_TIMEOUT).quorum_id
+            except StreamUnavailable:
+                return client.quorum(member, CALL_TIMEOUT).quorum_id
+
+        return sim_quorum, lambda: stream.wait_connected(10.0), client.close
     if impl == "ft_core":
         from ft_core.control.manager_server import ManagerClient, ManagerServer
 
@@ -94,7 +112,7 @@ def _lighthouse_process(impl: str, conn: Any) -> None:
     conn.send(address)
     try:
         while (msg := conn.recv())[0] != "stop":
-            conn.send(is_waiting(msg[1]))
+            conn.send(time.process_time() if msg[0] == "cpu" else is_waiting(msg[1]))
     finally:
         shutdown()
     conn.send("stopped")
@@ -205,6 +223,11 @@ class _Job:
         for conn in self.workers:
             conn.send(("collect",))
         return [item for conn in self.workers for item in self._recv(conn)]
+
+    def lighthouse_cpu_s(self) -> float:
+        """CPU seconds the lighthouse process has used so far (all its threads)."""
+        self._lh_conn.send(("cpu",))
+        return self._recv(self._lh_conn)
 
     def is_waiting(self, replica_id: str) -> bool:
         self._lh_conn.send(("waiting", replica_id))

@@ -299,3 +299,93 @@ def test_a_frozen_manager_process_is_dropped_within_heartbeat_timeout_plus_a_tic
     finally:
         child.send_signal(signal.SIGCONT)
     assert elapsed < heartbeat_timeout_s + tick_s + SLACK_S
+
+
+# ---- the quorum over the heartbeat stream, with a member killed at every point of a round ----------
+
+STREAM_MEMBER = r"""
+import sys
+from datetime import timedelta
+from ft_core.control.lighthouse_client import LighthouseClient
+from ft_core.control.types import QuorumMember
+
+lighthouse, replica_id = sys.argv[1], sys.argv[2]
+client = LighthouseClient(lighthouse)
+stream = client.start_heartbeat_stream(replica_id, interval=timedelta(milliseconds=50))
+assert stream.wait_connected(20), stream.last_error
+print("READY", flush=True)
+for line in sys.stdin:
+    quorum = stream.quorum(QuorumMember(replica_id, address="127.0.0.1:1", step=int(line)), timedelta(seconds=30))
+    print("JOINED", quorum.quorum_id, ",".join(quorum.replica_ids), flush=True)
+"""
+
+KILL_POINTS = ["between rounds", "after its join, before the others", "while the others wait for it",
+               "with its join and answer in flight"]
+
+
+def waiting_at(lighthouse: LighthouseServer) -> set[str]:
+    return {m["replica_id"] for m in lighthouse.core.status()["members"] if m["waiting"]}
+
+
+def wait_for_waiting(lighthouse: LighthouseServer, who: set[str], limit_s: float = 10.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not who <= waiting_at(lighthouse):
+        assert time.monotonic() < deadline, f"{who} never waited at the lighthouse ({waiting_at(lighthouse)})"
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_stream_quorum_survivors_are_answered_when_a_member_is_killed_at_any_point_of_a_round(
+        stack: ExitStack, processes: Any, point: str) -> None:
+    # heartbeat_timeout 30 s and join_timeout 60 s: only the broken stream can explain a prompt answer.
+    lighthouse = stack.enter_context(LighthouseServer(min_replicas=2, join_timeout_ms=60_000,
+                                                      heartbeat_timeout_ms=30_000, http_bind=None))
+    survivors = start_groups(stack, lighthouse.address(), ["a", "b"], world_size=1)
+    for group in survivors:
+        assert group.server.wait_heartbeat_connected(10)
+    victim = processes.python("-c", STREAM_MEMBER, lighthouse.address(), "v", stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert victim.stdout.readline().strip() == "READY"
+    pool = stack.enter_context(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="test-rank"))
+
+    def survivors_round(step: int) -> list[futures.Future]:
+        return [pool.submit(g.calls(step, timedelta(seconds=20))[0]) for g in survivors]
+
+    def victim_join(step: int) -> None:
+        victim.stdin.write(f"{step}\n")
+        victim.stdin.flush()
+
+    first = survivors_round(0)
+    victim_join(0)
+    assert [f.result(timeout=20).replica_ids for f in first] == [["a", "b", "v"]] * 2
+    assert victim.stdout.readline().split()[2] == "a,b,v"
+
+    if point == "between rounds":
+        victim.kill()
+        pending = survivors_round(1)
+    elif point == "after its join, before the others":
+        victim_join(1)
+        wait_for_waiting(lighthouse, {"v"})
+        victim.kill()
+        pending = survivors_round(1)
+    elif point == "while the others wait for it":
+        pending = survivors_round(1)
+        wait_for_waiting(lighthouse, {"a", "b"})
+        victim.kill()
+    else:  # the lighthouse may issue {a, b, v} and the answer to v die with it, or v's join die unsent
+        pending = survivors_round(1)
+        wait_for_waiting(lighthouse, {"a", "b"})
+        victim_join(1)
+        victim.kill()
+    started = time.monotonic()
+    ids = [f.result(timeout=20).replica_ids for f in pending]
+    assert ids[0] == ids[1] and ids[0] in (["a", "b"], ["a", "b", "v"]), ids
+    if ids[0] != ["a", "b"]:  # v was in that round: the next one goes on without it
+        ids = [f.result(timeout=20).replica_ids for f in survivors_round(2)]
+        assert ids == [["a", "b"], ["a", "b"]], ids
+    elapsed = time.monotonic() - started
+    assert elapsed < 10, f"the survivors waited {elapsed:.1f}s for a quorum without the killed member"
+    assert victim.wait(timeout=10) == -signal.SIGKILL
+    for group in survivors:
+        assert group.server._lighthouse is None, "a survivor fell back to unary calls: its stream quorum failed"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import signal
 import socket
@@ -16,12 +17,12 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import pytest
-from conftest import child_env
+from conftest import child_env, run_calls
 
 from ft_core.tools import status as status_cli
 from ft_core.errors import AuthError, FTTimeoutError, RPCError
 from ft_core.control.lighthouse import LighthouseServer
-from ft_core.control.lighthouse_client import LighthouseClient
+from ft_core.control.lighthouse_client import LighthouseClient, StreamUnavailable
 from ft_core.control.lighthouse_state import LighthouseConfig, LighthouseCore, Waiter
 from ft_core.control.types import Quorum, QuorumMember
 
@@ -489,3 +490,89 @@ def test_status_cli_address_forms(lighthouse: LighthouseServer, capsys: pytest.C
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.timeout(60)
+def test_a_second_live_incarnation_of_a_group_is_refused_until_the_first_is_gone(caplog) -> None:
+    caplog.set_level(logging.INFO, logger="ft_core.control.lighthouse")
+    with LighthouseServer(min_replicas=1, join_timeout_ms=60_000, quorum_tick_ms=50, heartbeat_timeout_ms=30_000,
+                          http_bind=None) as server, LighthouseClient(server.address()) as client:
+        old = client.start_heartbeat_stream("g:old", interval=timedelta(milliseconds=50))
+        assert old.wait_connected(10)
+        assert client.quorum(QuorumMember("g:old"), 10 * SECOND).replica_ids == ["g:old"]
+        new = client.start_heartbeat_stream("g:new", interval=timedelta(milliseconds=50))
+        assert new.wait_connected(10)
+        answer: list[object] = []
+        joiner = threading.Thread(target=lambda: answer.append(client.quorum(QuorumMember("g:new"), 30 * SECOND)),
+                                  name="test-join-new")
+        joiner.start()
+        wait_for(lambda: "refused: g:new" in server.core.status()["reason"], what="g:new to be refused")
+        assert member_of(server.core.status(), "g:new")["refused_for"] == "g:old"
+        again = client.quorum(QuorumMember("g:old", step=1), 10 * SECOND)
+        assert again.replica_ids == ["g:old"], "the older incarnation keeps training alone"
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any("g:new refused" in w and "g:old" in w for w in warnings), warnings
+        assert not answer, "the second incarnation was admitted while the first was alive"
+        old.stop()  # the first incarnation is gone (a clean exit): the newer one takes over at once
+        joiner.join(20)
+        assert answer and isinstance(answer[0], Quorum) and answer[0].replica_ids == ["g:new"], answer
+
+
+@pytest.mark.timeout(60)
+def test_ftl_lighthouse_log_lines_are_not_wrapped_in_a_file(processes, tmp_path) -> None:
+    log = tmp_path / "lighthouse.log"
+    long_id = "replica_" + "x" * 150
+    with open(log, "wb") as out:
+        proc = processes.python("-m", "ft_core", "lighthouse", "--bind", "127.0.0.1:0", "--http-bind", "off",
+                                stdout=out, stderr=subprocess.STDOUT)
+    address = wait_for(lambda: re.search(r"listening on (127\.0\.0\.1:\d+)", log.read_text()), 30,
+                       "the lighthouse to start").group(1)
+    with LighthouseClient(address) as client:
+        assert client.quorum(QuorumMember(long_id), 10 * SECOND).replica_ids == [long_id]
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=20) == 0
+    lines = log.read_text().splitlines()
+    assert any("quorum 1 issued" in line and long_id in line for line in lines), lines
+
+
+# ---- quorum long polls carried on the heartbeat stream ---------------------------------------------
+
+def test_stream_quorum_answers_both_members_with_one_quorum_and_heartbeats_go_on() -> None:
+    with LighthouseServer(min_replicas=2, join_timeout_ms=60_000, http_bind=None) as server, \
+            LighthouseClient(server.address()) as client:
+        streams = {rid: client.start_heartbeat_stream(rid) for rid in ("a", "b")}
+        assert all(s.wait_connected(10) for s in streams.values())
+        got = run_calls([lambda rid=rid: streams[rid].quorum(QuorumMember(rid, step=3), 10) for rid in ("a", "b")])
+        quorums = [q for q, _ in got]
+        assert quorums[0] == quorums[1] and quorums[0].replica_ids == ["a", "b"] and quorums[0].quorum_id == 1
+        assert all(s.connected for s in streams.values())
+
+
+def test_stream_quorum_deadline_bad_request_and_shutdown_are_answered_on_the_open_stream() -> None:
+    server = LighthouseServer(min_replicas=2, join_timeout_ms=60_000, http_bind=None)
+    try:
+        with LighthouseClient(server.address()) as client:
+            stream = client.start_heartbeat_stream("alone")
+            assert stream.wait_connected(10)
+            with pytest.raises(FTTimeoutError, match="no quorum containing alone before the deadline"):
+                stream.quorum(QuorumMember("alone"), 0.3)  # min_replicas=2: no quorum
+            wait_for(lambda: not member_of(server.core.status(), "alone")["waiting"], what="the join to end")
+            with pytest.raises(RPCError, match="heartbeat stream of alone") as err:
+                stream.quorum(QuorumMember("someone-else"), 5)
+            assert err.value.code == "INVALID_ARGUMENT" and stream.connected
+            outcome: list[BaseException] = []
+
+            def join() -> None:
+                try:
+                    stream.quorum(QuorumMember("alone"), 20)
+                except BaseException as exc:  # recorded for the assertion below
+                    outcome.append(exc)
+
+            joiner = threading.Thread(target=join, name="test-join-alone")
+            joiner.start()
+            wait_for(lambda: member_of(server.core.status(), "alone")["waiting"], what="the join to wait")
+            server.shutdown()
+            joiner.join(10)
+            assert outcome and isinstance(outcome[0], StreamUnavailable), outcome
+    finally:
+        server.shutdown()

@@ -255,3 +255,58 @@ def test_bad_configuration_is_a_config_error(kwargs: dict[str, Any], message: st
     with pytest.raises(ConfigError, match=message):
         ManagerServer(**kwargs)
 
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path", ["grpc", "local"])
+def test_shutdown_with_a_lighthouse_long_poll_pending_ends_it_at_once(path: str) -> None:
+    """The long poll (50 s left, min_replicas=2 never met) is cancelled: shutdown does not wait for it, and
+    the waiting rank gets an error at once instead of at its deadline."""
+    with LighthouseServer(min_replicas=2, join_timeout_ms=60_000, http_bind=None) as lighthouse:
+        server = ManagerServer("lonely", lighthouse.address(), world_size=1)
+        client = ManagerClient(server.address(), connect_timeout=5)
+        outcome: list[BaseException | QuorumResult] = []
+
+        def join() -> None:
+            try:
+                if path == "grpc":
+                    outcome.append(client.quorum(0, 0, "", False, timedelta(seconds=50)))
+                else:
+                    outcome.append(server.quorum_local(0, 0, "", False, timedelta(seconds=50)))
+            except BaseException as exc:  # recorded for the assertion below
+                outcome.append(exc)
+
+        caller = threading.Thread(target=join, name="lonely-quorum")
+        caller.start()
+        try:
+            def waiting() -> list[str]:
+                return [m["replica_id"] for m in lighthouse.core.status()["members"] if m["waiting"]]
+
+            deadline = time.monotonic() + 20
+            while not waiting() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert waiting() == ["lonely"], "the long poll never reached the lighthouse"
+            started = time.monotonic()
+            server.shutdown()
+            took = time.monotonic() - started
+            caller.join(20)
+            assert not caller.is_alive(), "the waiting rank was not answered"
+            assert took < 20, f"shutdown took {took:.1f}s: it waited for the lighthouse long poll"
+            assert outcome and isinstance(outcome[0], (RPCError, FTTimeoutError)), outcome
+        finally:
+            server.shutdown()
+            client.close()
+            caller.join(60)
+
+
+def test_quorum_goes_over_the_heartbeat_stream_and_unary_calls_still_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    for stream in ("1", "0"):
+        monkeypatch.setenv("FT_STREAM_QUORUM", stream)
+        with LighthouseServer(min_replicas=1, http_bind=None) as lh, ManagerServer("g", lh.address()) as server, \
+                ManagerClient(server.address()) as client:
+            assert server.wait_heartbeat_connected(10)
+            first = client.quorum(0, 0, "", False, timedelta(seconds=10))
+            second = client.quorum(0, 1, "", False, timedelta(seconds=10))
+            assert first.quorum_id == second.quorum_id == 1 and server.last_quorum_id() == 1
+            used_unary = server._lighthouse is not None
+            assert used_unary == (stream == "0"), f"FT_STREAM_QUORUM={stream}: unary client used: {used_unary}"

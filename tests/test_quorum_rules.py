@@ -12,9 +12,12 @@ from ft_core.control.quorum import (
     LighthouseState,
     QuorumConfig,
     decide,
+    largest_reachable_set,
     member_problem,
     next_quorum_id,
     prune_heartbeats,
+    refused_incarnations,
+    replica_group,
     replica_id_problem,
 )
 from ft_core.control.types import Quorum, QuorumMember
@@ -40,6 +43,7 @@ class Case:
     prev: Quorum | None = None
     quorum_id: int = 0
     expect_id: int | None = None
+    first_seen: dict[str, float] | None = None  # replica_id -> seconds since it came alive (rule 8)
     config: QuorumConfig = field(default_factory=lambda: QuorumConfig(min_replicas=1, join_timeout_ms=60_000,
                                                                       heartbeat_timeout_ms=5_000))
 
@@ -120,6 +124,46 @@ CASES = [
     Case("a member that saw a higher id (other lighthouse) forces a bump", [(m("a", last_quorum_id=20), 0.5),
                                                                            (m("b", last_quorum_id=5), 0.5)],
          alive("a", "b"), ["a", "b"], "Fast quorum", prev=quorum(5, "a", "b"), quorum_id=5, expect_id=21),
+    # rule 7: reachability (members report the peers of the previous quorum they could not reach)
+    Case("asymmetric partition: the pair that cannot talk is split, lowest ids win",
+         [(m("a", unreachable=("b",)), 0.5), (m("b", unreachable=("a",)), 0.5), (m("c"), 0.5)],
+         alive("a", "b", "c"), ["a", "c"], "Valid quorum found", prev=quorum(4, "a", "b", "c"), quorum_id=4,
+         expect_id=5),
+    Case("a one-sided report cuts the pair too", [(m("a"), 0.5), (m("b", unreachable=("a",)), 0.5), (m("c"), 0.5)],
+         alive("a", "b", "c"), ["a", "c"], "unreachable from the others: b", prev=quorum(4, "a", "b", "c"),
+         quorum_id=4),
+    Case("a member that reaches no one is left out, not the others",
+         [(m("a"), 0.5), (m("b", unreachable=("a", "c")), 0.5), (m("c"), 0.5)], alive("a", "b", "c"), ["a", "c"],
+         "Valid quorum found", prev=quorum(4, "a", "b", "c"), quorum_id=4),
+    Case("two groups that cannot talk: the lowest id trains on", [(m("a", unreachable=("b",)), 0.5),
+                                                                 (m("b", unreachable=("a",)), 0.5)],
+         alive("a", "b"), ["a"], "unreachable from the others: b", prev=quorum(2, "a", "b"), quorum_id=2,
+         expect_id=3),
+    Case("the excluded member is no straggler: no join wait", [(m("a", unreachable=("b",)), 0.1),
+                                                              (m("b", unreachable=("a",)), 0.1), (m("c"), 0.1)],
+         alive("a", "b", "c"), ["a", "c"], "Valid quorum found", prev=quorum(4, "a", "b", "c"), quorum_id=4),
+    Case("reports about non-candidates are ignored: fast quorum", [(m("a", unreachable=("x",)), 0.5), (m("b"), 0.5)],
+         alive("a", "b"), ["a", "b"], "Fast quorum", prev=quorum(3, "a", "b"), quorum_id=3, expect_id=3),
+    Case("a cut joiner keeps the fast path of the previous members",
+         [(m("a"), 0.5), (m("c"), 0.5), (m("b", unreachable=("a",)), 0.5)], alive("a", "b", "c"), ["a", "c"],
+         "Fast quorum", prev=quorum(3, "a", "c"), quorum_id=3, expect_id=3),
+    Case("min_replicas counts the reachable set", [(m("a", unreachable=("b",)), 0.5), (m("b"), 0.5)],
+         alive("a", "b"), None, "need min_replicas 2", prev=quorum(2, "a", "b"), quorum_id=2,
+         config=QuorumConfig(2, 60_000, 5_000)),
+    # rule 8: one live member per replica group (replica id = group:incarnation)
+    Case("a second live incarnation of a group is refused", joined("g:old", "g:new", "h:1"),
+         alive("g:old", "g:new", "h:1"), ["g:old", "h:1"], "refused: g:new (replica group already has live g:old)",
+         first_seen={"g:old": 50.0, "g:new": 1.0, "h:1": 50.0}),
+    Case("the refused incarnation neither counts nor blocks as a straggler", joined("g:old", "h:1"),
+         alive("g:old", "g:new", "h:1"), ["g:old", "h:1"], "Fast quorum", prev=quorum(3, "g:old", "h:1"),
+         quorum_id=3, expect_id=3, first_seen={"g:old": 50.0, "g:new": 1.0, "h:1": 50.0}),
+    Case("the older incarnation still wins when it has not joined yet", joined("g:new"), alive("g:old", "g:new"),
+         None, "refused: g:new", first_seen={"g:old": 50.0, "g:new": 1.0}),
+    Case("the newer incarnation takes part once the older is gone", joined("g:new", "h:1"),
+         {"g:old": 6.0, "g:new": 0.1, "h:1": 0.1}, ["g:new", "h:1"], "Valid quorum found",
+         first_seen={"g:old": 50.0, "g:new": 1.0, "h:1": 50.0}),
+    Case("different groups with suffixes are independent", joined("g:1", "h:1"), alive("g:1", "h:1"),
+         ["g:1", "h:1"], "Valid quorum found", first_seen={"g:1": 5.0, "h:1": 1.0}),
 ]
 
 
@@ -128,7 +172,8 @@ def test_decide(case: Case) -> None:
     state = LighthouseState(
         waiting={member.replica_id: Joined(member, NOW - ago) for member, ago in case.waiting},
         heartbeats={rid: NOW - ago for rid, ago in case.alive.items()},
-        prev_quorum=case.prev, quorum_id=case.quorum_id)
+        prev_quorum=case.prev, quorum_id=case.quorum_id,
+        first_seen={rid: NOW - ago for rid, ago in (case.first_seen or {}).items()})
     decision = decide(state, NOW, case.config)
     got = None if decision.participants is None else [p.replica_id for p in decision.participants]
     assert got == case.expect, decision.reason
@@ -201,6 +246,8 @@ PROBLEMS = [
     ("data at the limit", m("a", data="x" * MAX_DATA_BYTES), None),
     ("oversized data", m("a", data="x" * (MAX_DATA_BYTES + 1)), "over the 65536-byte limit"),
     ("huge replica_id", QuorumMember(replica_id="r" * 2000), "replica_id is longer"),
+    ("too many unreachable", m("a", unreachable=tuple(f"r{i}" for i in range(5000))), "unreachable lists 5000"),
+    ("huge unreachable id", m("a", unreachable=("r" * 2000,)), "unreachable replica id is longer"),
 ]
 
 
@@ -215,3 +262,73 @@ def test_replica_id_problem_and_prune() -> None:
     assert "empty" in replica_id_problem("")
     beats = {"fresh": NOW - 1, "expired": NOW - 6, "long_gone": NOW - 51}
     assert prune_heartbeats(beats, NOW, keep_s=50) == ["long_gone"]
+
+
+REACHABLE = [
+    # (name, candidates, unreachable reports, expected set)
+    ("no reports", ["a", "b", "c"], {}, ["a", "b", "c"]),
+    ("symmetric cut of one pair", ["a", "b", "c"], {"a": ["b"], "b": ["a"]}, ["a", "c"]),
+    ("one-sided report", ["a", "b", "c"], {"c": ["a"]}, ["a", "b"]),
+    ("tie between equal halves: lowest ids", ["a", "b", "c", "d"],
+     {"a": ["c", "d"], "b": ["c", "d"], "c": ["a", "b"], "d": ["a", "b"]}, ["a", "b"]),
+    ("the larger side wins over lower ids", ["a", "b", "c", "d"], {"a": ["b", "c", "d"]}, ["b", "c", "d"]),
+    ("untouched members are always in", ["a", "b", "x", "y"], {"a": ["b"]}, ["a", "x", "y"]),
+    ("independent cuts", ["a", "b", "c", "d", "e"], {"a": ["b"], "d": ["e"]}, ["a", "c", "d"]),
+    ("a ring of cuts", ["a", "b", "c", "d"], {"a": ["b"], "b": ["c"], "c": ["d"], "d": ["a"]}, ["a", "c"]),
+    ("self and strangers ignored", ["a", "b"], {"a": ["a", "zz"]}, ["a", "b"]),
+    ("everyone cut from everyone: the lowest alone", ["c", "b", "a"],
+     {"a": ["b", "c"], "b": ["a", "c"], "c": ["a", "b"]}, ["a"]),
+]
+
+
+@pytest.mark.parametrize("name,candidates,reports,expected", REACHABLE, ids=[r[0] for r in REACHABLE])
+def test_largest_reachable_set(name: str, candidates: list[str], reports: dict[str, list[str]],
+                               expected: list[str]) -> None:
+    assert largest_reachable_set(candidates, reports) == expected
+
+
+def test_largest_reachable_set_is_bounded_on_a_large_partition() -> None:
+    """Two halves of 64 groups that cannot reach each other: a bounded search, still a valid answer."""
+    left, right = [f"l{i:03d}" for i in range(64)], [f"r{i:03d}" for i in range(64)]
+    reports = {rid: right for rid in left}
+    got = largest_reachable_set(left + right, reports, budget=5_000)
+    assert got == left, "the first side found (lowest ids) is kept when the search budget ends"
+    assert all(not (set(reports.get(a, ())) & set(got)) for a in got)
+
+
+def test_an_asymmetric_partition_does_not_livelock() -> None:
+    """Rounds of decide() + a simulated step in which a and b cannot reach each other: after the one failed
+    step that reveals the cut, every later step commits on the same mutually reachable set."""
+    cfg = QuorumConfig(min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=5_000)
+    blocked = {("a", "b"), ("b", "a")}
+    beats = {r: NOW for r in ("a", "b", "c")}
+    prev, qid, failures = None, 0, {"a": 0, "b": 0, "c": 0}
+    reports: dict[str, tuple[str, ...]] = {r: () for r in beats}
+    outcomes = []
+    for round_no in range(8):
+        waiting = {r: Joined(m(r, commit_failures=failures[r], unreachable=reports[r]), NOW) for r in beats}
+        decision = decide(LighthouseState(waiting, beats, prev, qid), NOW, cfg)
+        assert decision.participants is not None, decision.reason
+        members = [p.replica_id for p in decision.participants]
+        prev, qid = Quorum(decision.quorum_id, decision.participants), decision.quorum_id
+        ok = not any((x, y) in blocked for x in members for y in members)
+        outcomes.append(ok)
+        for r in members:
+            failures[r] = 0 if ok else failures[r] + 1
+            # The manager server probes the last quorum's peers after a failed step, and again while its
+            # last report was not empty.
+            probe = failures[r] > 0 or reports[r]
+            reports[r] = tuple(p for p in members if (r, p) in blocked) if probe else ()
+        if ok:  # the excluded group's pending request keeps its last report
+            assert "b" not in members
+    assert outcomes[0] is False and all(outcomes[1:]), outcomes
+
+
+def test_replica_group_and_refused_incarnations() -> None:
+    assert replica_group("replica_0:3f2a") == "replica_0"
+    assert replica_group("a:b:c") == "a:b"
+    assert replica_group("plain") == "plain"
+    assert replica_group(":x") == ":x"
+    assert refused_incarnations({"g:1": 5.0, "g:2": 9.0, "g:3": 7.0, "h:1": 1.0}) == {"g:2": "g:1", "g:3": "g:1"}
+    assert refused_incarnations({"g:b": 5.0, "g:a": 5.0}) == {"g:b": "g:a"}, "same age: the lowest id stays"
+    assert refused_incarnations({"g:1": 1.0, "h:1": 1.0}) == {}

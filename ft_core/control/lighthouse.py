@@ -6,9 +6,15 @@ in a named thread, so hundreds of open heartbeat streams and long polls cost no 
 over HTTP (ft_core.control.lighthouse_http: status page, /status JSON, /metrics).
 
 Liveness: a Quorum call or a Heartbeat counts as a heartbeat; a HeartbeatStream keeps a member
-alive while it is open and declares it dead at once when it breaks or closes (a dead process
-drops its connection), so survivors do not wait heartbeat_timeout for a quorum without it.
-heartbeat_timeout still bounds a member that is alive but silent (hung, partitioned).
+alive while it is open and declares it dead at once when it breaks (a dead process drops its
+connection), so survivors do not wait heartbeat_timeout for a quorum without it; a member that
+half-closes its stream has left cleanly. heartbeat_timeout still bounds a member that is alive but
+silent (hung, partitioned). When a member of the current quorum dies or goes silent, the others get
+a PeerLost notice on their open streams at once, so their managers abort that quorum's collectives.
+
+Quorum long polls travel on the same stream (a `quorum` request answered by its request_id; the
+quorum is serialized once and shared by every member's answer); the unary Quorum call stays for
+compatibility and as the fallback when no stream is open.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -27,12 +34,12 @@ import grpc
 from ft_core import settings
 from ft_core.errors import ConfigError
 from ft_core.control.lighthouse_http import LighthouseMetrics, StatusHTTPServer
-from ft_core.control.lighthouse_state import LighthouseConfig, LighthouseCore, Waiter
+from ft_core.control.lighthouse_state import CLEAN_EXIT, LighthouseConfig, LighthouseCore, Waiter
 from ft_core.control.proto import ft_pb2
 from ft_core.control.quorum import member_problem, replica_id_problem
 from ft_core.control.rpc import SERVER_OPTIONS, add_server_port, token_matches
 from ft_core.control.types import QuorumMember
-from ft_core.net import dial_host, format_host_port, split_host_port
+from ft_core.net import dial_host, format_host_port, is_loopback, split_host_port
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +91,8 @@ class _LighthouseService:
         self._core = core
         self._loop = loop
         self._loop_thread = threading.get_ident()  # built by _start(), on the loop's own thread
+        self._outboxes: dict[str, tuple[object, asyncio.Queue]] = {}  # replica_id -> its open stream's outbox
+        core.set_peer_lost_notifier(self._push)
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         """The service's method handlers (as ft_pb2_grpc registers them, with pass-through serializers)."""
@@ -132,9 +141,11 @@ class _LighthouseService:
                 await asyncio.wait((answered,), timeout=max(remaining, 0.0))
             if waiter.issued is None:
                 code = grpc.StatusCode.UNAVAILABLE if self._core.closed else grpc.StatusCode.DEADLINE_EXCEEDED
-                await context.abort(code, f"lighthouse Quorum: no quorum containing {member.replica_id} "
-                                          + ("(lighthouse shutting down)" if self._core.closed else
-                                             "before the deadline"))
+                older = self._core.refused_by(member.replica_id)
+                why = ("(lighthouse shutting down)" if self._core.closed else
+                       f"before the deadline: refused, replica group already has a live member {older}; stop it "
+                       f"or wait until it is gone" if older else "before the deadline")
+                await context.abort(code, f"lighthouse Quorum: no quorum containing {member.replica_id} {why}")
             return waiter.issued.response()
         except asyncio.CancelledError:  # the caller went away: its connection dropped, or it cancelled
             cancelled = True
@@ -150,29 +161,124 @@ class _LighthouseService:
         self._core.heartbeat(request.replica_id)
         return _EMPTY
 
+    def _push(self, recipients: list[str], payload: bytes) -> None:
+        """PeerLost notifier of the core: queue `payload` on each recipient's open heartbeat stream."""
+        if threading.get_ident() != self._loop_thread:
+            self._loop.call_soon_threadsafe(self._push, recipients, payload)
+            return
+        for rid in recipients:
+            entry = self._outboxes.get(rid)
+            if entry is not None:
+                entry[1].put_nowait(payload)
+
     async def HeartbeatStream(self, requests: AsyncIterator[ft_pb2.LighthouseHeartbeatRequest],
-                              context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+                              context: grpc.aio.ServicerContext) -> None:
+        """Heartbeats in, answers and PeerLost notices out. A stream that ends after a `leaving` message is
+        a clean exit; any other end (a dropped connection also reads as end-of-stream) is a death.
+
+        Reads with context.read() here and writes from one writer task draining the stream's outbox,
+        so a notice for this replica can be queued from any round without racing the answers.
+        """
         token = object()
         replica_id: str | None = None
         why = "broke (connection dropped)"
+        outbox: asyncio.Queue = asyncio.Queue()
+        polls: set[asyncio.Task] = set()
+        writer = self._loop.create_task(self._write_stream(context, outbox))
         try:
-            async for request in requests:
+            while True:
+                request = await context.read()
+                if request is grpc.aio.EOF:
+                    break
                 problem = replica_id_problem(request.replica_id)
                 if problem is None and replica_id is not None and request.replica_id != replica_id:
                     problem = f"one replica per stream: opened by {replica_id}, then got {request.replica_id}"
                 if problem is not None:
                     why = "rejected"
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lighthouse HeartbeatStream: {problem}")
-                if replica_id is None:
+                if request.leaving:  # said goodbye: its end of stream is a clean exit, not a death
+                    why = CLEAN_EXIT
+                    continue
+                opened = replica_id is None
+                if opened:
                     replica_id = request.replica_id
+                    self._outboxes[replica_id] = (token, outbox)
                     self._core.stream_opened(replica_id, token)
-                else:
+                if request.HasField("quorum"):  # a long poll on the stream; its join counts as the heartbeat
+                    poll = self._loop.create_task(self._stream_quorum(replica_id, request, outbox))
+                    polls.add(poll)
+                    poll.add_done_callback(polls.discard)
+                    continue
+                if not opened:
                     self._core.heartbeat(replica_id)
-                yield _EMPTY
-            why = "closed by the replica"
+                outbox.put_nowait(_EMPTY)
+            outbox.put_nowait(None)
+            await writer  # flush what is queued, then end the call with OK
         finally:
+            # No await in here: a second cancellation must not skip the declaration below. The replica is
+            # declared gone first, then its polls are cancelled (their leave() then finds it gone, so no
+            # decision in between sees it as a live straggler).
             if replica_id is not None:
+                entry = self._outboxes.get(replica_id)
+                if entry is not None and entry[0] is token:
+                    del self._outboxes[replica_id]
                 self._core.stream_closed(replica_id, token, why)
+            for poll in list(polls):
+                poll.cancel()
+            if not writer.done():
+                writer.cancel()
+
+    async def _stream_quorum(self, replica_id: str, request: ft_pb2.LighthouseHeartbeatRequest,
+                             outbox: asyncio.Queue) -> None:
+        """One quorum long poll carried on `replica_id`'s heartbeat stream, bounded by its timeout_ms.
+
+        Answered on the stream's outbox with the request's id (an error as error_code/error); a poll
+        cancelled because its stream ended answers nothing (the replica is gone or falls back)."""
+        rid = request.request_id
+
+        def failure(code: grpc.StatusCode, message: str) -> bytes:
+            return ft_pb2.LighthouseHeartbeatResponse(request_id=rid, error_code=code.name,
+                                                      error=f"lighthouse Quorum: {message}").SerializeToString()
+
+        member = QuorumMember.from_pb(request.quorum.requester) if request.quorum.HasField("requester") else None
+        problem = member_problem(member)
+        if problem is None and member.replica_id != replica_id:
+            problem = f"a quorum request for {member.replica_id} on the heartbeat stream of {replica_id}"
+        if problem is None and request.timeout_ms <= 0:
+            problem = "missing deadline: send timeout_ms > 0 (it is a long poll)"
+        if problem is not None:
+            outbox.put_nowait(failure(grpc.StatusCode.INVALID_ARGUMENT, problem))
+            return
+        answered = self._loop.create_future()
+        waiter = Waiter(member, self._waker(answered))
+        self._core.join(waiter)
+        cancelled = False
+        try:
+            if waiter.issued is None:
+                await asyncio.wait((answered,), timeout=request.timeout_ms / 1000.0)
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
+        finally:
+            self._core.leave(waiter, cancelled=cancelled)
+        if waiter.issued is not None:
+            outbox.put_nowait(waiter.issued.stream_response(rid))
+            return
+        closed = self._core.closed
+        older = self._core.refused_by(member.replica_id)
+        why = ("(lighthouse shutting down)" if closed else
+               f"before the deadline: refused, replica group already has a live member {older}" if older else
+               "before the deadline")
+        outbox.put_nowait(failure(grpc.StatusCode.UNAVAILABLE if closed else grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  f"no quorum containing {member.replica_id} {why}"))
+
+    @staticmethod
+    async def _write_stream(context: grpc.aio.ServicerContext, outbox: asyncio.Queue) -> None:
+        while True:
+            item = await outbox.get()
+            if item is None:
+                return
+            await context.write(item)
 
 
 class LighthouseServer:
@@ -181,12 +287,14 @@ class LighthouseServer:
     A context manager; `shutdown()` ends waiting calls and stops everything it started.
     """
 
-    def __init__(self, bind: str = "127.0.0.1:0", min_replicas: int = 1, join_timeout_ms: int = 60_000,
-                 quorum_tick_ms: int = 100, heartbeat_timeout_ms: int = 5_000, token: str | None = None,
+    def __init__(self, bind: str = "127.0.0.1:0", min_replicas: int = 1, join_timeout_ms: int | None = 60_000,
+                 quorum_tick_ms: int | None = 100, heartbeat_timeout_ms: int | None = 5_000, token: str | None = None,
                  http_bind: str | None = "127.0.0.1:0") -> None:
+        # None means the default, as in torchft's LighthouseServer
         self.config = LighthouseConfig(bind=bind, http_bind=http_bind, min_replicas=min_replicas,
-                                       join_timeout_ms=join_timeout_ms, quorum_tick_ms=quorum_tick_ms,
-                                       heartbeat_timeout_ms=heartbeat_timeout_ms,
+                                       join_timeout_ms=60_000 if join_timeout_ms is None else join_timeout_ms,
+                                       quorum_tick_ms=100 if quorum_tick_ms is None else quorum_tick_ms,
+                                       heartbeat_timeout_ms=5_000 if heartbeat_timeout_ms is None else heartbeat_timeout_ms,
                                        token=settings.value("FT_TOKEN", token))
         self._host, self._requested_port = split_host_port(bind, "lighthouse bind address", hint="port 0 picks a free one")
         self.metrics = LighthouseMetrics()
@@ -312,8 +420,13 @@ def main(argv: list[str]) -> int:
         if value:  # this process's TLS settings (an FT_TLS_* variable already set still wins, as everywhere)
             os.environ.setdefault(var, value)
     console = Console(stderr=True)
-    logging.basicConfig(level=opts.log_level.upper(), format="%(message)s",
-                        handlers=[RichHandler(console=console, show_path=False)])
+    if console.is_terminal:
+        handler: logging.Handler = RichHandler(console=console, show_path=False)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+    else:  # a file or a pipe: one plain line per record, never wrapped at the console's width
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=opts.log_level.upper(), handlers=[handler])
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -326,8 +439,13 @@ def main(argv: list[str]) -> int:
                                   heartbeat_timeout_ms=opts.heartbeat_timeout_ms, token=opts.token,
                                   http_bind=None if opts.http_bind == "off" else opts.http_bind)
     except ConfigError as exc:
-        console.print(f"[red]ftl lighthouse: {escape(str(exc))}[/red]")
+        console.print(f"[red]ftl lighthouse: {escape(str(exc))}[/red]", soft_wrap=True)
         return 2
+    exposed = [a for a in (opts.bind, None if opts.http_bind == "off" else opts.http_bind)
+               if a and not is_loopback(split_host_port(a, "bind address")[0])]
+    if exposed and not server.config.token:
+        logger.warning("listening on %s with no token: anyone who can reach this machine can join the job, read "
+                       "its status and kill its groups; set --token or FT_TOKEN", ", ".join(exposed))
     with server:
         http = server.http_address()
         console.print(f"[bold green]lighthouse[/bold green] gRPC [cyan]{server.address()}[/cyan]"

@@ -8,11 +8,14 @@ TimeoutError); everything else as `RPCError`/`AuthError` naming the peer, the ca
 
 from __future__ import annotations
 
+import json
+import itertools
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -28,6 +31,7 @@ from ft_core.net import split_addresses
 logger = logging.getLogger(__name__)
 
 CONNECT_ATTEMPT_S = 1.0  # longest single connection attempt before trying the next address
+CLEAN_CLOSE_S = 1.0  # longest stop() waits for the lighthouse to end a half-closed stream (a clean exit)
 # Reconnect quickly after a lighthouse restart instead of grpc's default 1 s .. 120 s backoff.
 CLIENT_CHANNEL_OPTIONS = CHANNEL_OPTIONS + [
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -35,6 +39,22 @@ CLIENT_CHANNEL_OPTIONS = CHANNEL_OPTIONS + [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 _CONNECTIVITY = {state.value[0]: state for state in grpc.ChannelConnectivity}
+_WAKE = object()  # wakes a stream's request generator (to stop, or to send what was queued)
+
+
+class StreamUnavailable(RPCError):
+    """The heartbeat stream could not carry a quorum request (not open, or it ended before the answer):
+    the caller falls back to a unary Quorum call."""
+
+
+class _StreamPoll:
+    """A quorum request sent on the heartbeat stream, waiting for the answer with its request_id."""
+
+    __slots__ = ("done", "response")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.response: ft_pb2.LighthouseHeartbeatResponse | None = None  # None: the stream ended first
 
 
 def wait_ready(channel: grpc.Channel, timeout_s: float) -> bool:
@@ -88,12 +108,38 @@ def resolve_client_config(addrs: str | list[str], connect_timeout: timedelta | f
                                   settings.value("FT_TOKEN", token))
 
 
+def _encode_data(data: dict[Any, object] | None) -> str:
+    if data is None:
+        return ""
+    if not isinstance(data, dict):
+        raise ConfigError(f"quorum data must be a dict (sent as JSON), got {type(data).__name__}")
+    try:
+        return json.dumps(data)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"quorum data must be JSON-serialisable: {exc}") from None
+
+
+def _decode_data(text: str) -> Any:
+    """A participant's data as torchft gives it: the decoded JSON, None when empty (raw text if not JSON)."""
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 class LighthouseClient:
     """Talks to one lighthouse, or the first reachable of several; a context manager."""
 
-    def __init__(self, addrs: str | list[str], connect_timeout: timedelta | float | None = None,
-                 token: str | None = None) -> None:
-        self.config = resolve_client_config(addrs, connect_timeout, token)
+    def __init__(self, addrs: str | list[str] | None = None, connect_timeout: timedelta | float | None = None,
+                 token: str | None = None, *, addr: str | list[str] | None = None) -> None:
+        # `addr=` is torchft's spelling of the first argument
+        if addrs is None:
+            addrs = addr
+        elif addr is not None:
+            raise ConfigError("pass the lighthouse address once: as addrs or as torchft's addr=, not both")
+        self.config = resolve_client_config(addrs if addrs is not None else "", connect_timeout, token)
         self._addrs = list(self.config.addrs)
         self._connect_timeout_s = seconds(self.config.connect_timeout)
         self._token = self.config.token
@@ -198,11 +244,37 @@ class LighthouseClient:
 
     # -- calls --------------------------------------------------------------------------------
 
-    def quorum(self, member: QuorumMember, timeout: timedelta) -> Quorum:
-        """Join the next quorum and wait (up to `timeout`) until one containing `member` is issued."""
+    def quorum(self, member: QuorumMember | str | None = None, timeout: timedelta | None = None,
+               address: str | None = None, store_address: str | None = None, step: int | None = None,
+               world_size: int | None = None, shrink_only: bool | None = None,
+               data: dict[Any, object] | None = None, *, replica_id: str | None = None) -> Quorum:
+        """Join the next quorum and wait (up to `timeout`) until one containing `member` is issued.
+
+        torchft's keyword form `quorum(replica_id, timeout, address=, store_address=, step=, world_size=,
+        shrink_only=, data=dict)` builds the member from its fields; its answer, as torchft's, holds each
+        participant's `data` decoded from JSON (a dict, or None when the member sent none).
+        """
+        if replica_id is not None:
+            if member is not None:
+                raise ConfigError("pass the member once: a QuorumMember, or torchft's replica_id=, not both")
+            member = replica_id
+        if member is None or timeout is None:
+            raise ConfigError("quorum() needs the member (a QuorumMember or a replica_id) and a timeout")
+        torchft_form = isinstance(member, str)
+        if torchft_form:
+            member = QuorumMember(replica_id=member, address=address or "", store_address=store_address or "",
+                                  step=step or 0, world_size=world_size if world_size is not None else 1,
+                                  shrink_only=bool(shrink_only), data=_encode_data(data))
+        elif any(v is not None for v in (address, store_address, step, world_size, shrink_only, data)):
+            raise ConfigError("quorum(member, timeout) takes the member's fields from the QuorumMember; pass "
+                              "either a QuorumMember or torchft's replica_id with keyword fields, not both")
         request = ft_pb2.LighthouseQuorumRequest(requester=member.to_pb())
         response = self._unary("Quorum", lambda stub: stub.Quorum, request, timeout)
-        return Quorum.from_pb(response.quorum)
+        quorum = Quorum.from_pb(response.quorum)
+        if torchft_form:
+            quorum = replace(quorum, participants=tuple(replace(m, data=_decode_data(m.data))
+                                                        for m in quorum.participants))
+        return quorum
 
     def heartbeat(self, replica_id: str, timeout: timedelta = timedelta(seconds=5)) -> None:
         """One unary heartbeat."""
@@ -245,8 +317,10 @@ class HeartbeatStreamHandle:
     """A named daemon thread keeping one HeartbeatStream open; reconnects and fails over when it breaks.
 
     While the stream is open the lighthouse counts the replica alive; when this process dies the
-    connection drops and the lighthouse drops the replica at once. `.stop()` closes the stream
-    (which the lighthouse also reads as the replica leaving) and joins the thread.
+    connection drops and the lighthouse drops the replica at once. `.stop()` half-closes the stream
+    (the lighthouse logs a clean exit), cancels it if the lighthouse does not end it promptly, and
+    joins the thread. PeerLost notices the lighthouse pushes on the stream go to the listeners added
+    with `add_peer_lost_listener`, called on this thread.
     """
 
     def __init__(self, client: LighthouseClient, replica_id: str, interval_s: float) -> None:
@@ -258,6 +332,10 @@ class HeartbeatStreamHandle:
         self._lock = threading.Lock()
         self._call: Any = None
         self._connected = threading.Event()
+        self._listeners: list[Callable[[int, str], None]] = []
+        self._outbox: queue.SimpleQueue | None = None  # quorum requests for the open stream (guarded by _lock)
+        self._polls: dict[int, _StreamPoll] = {}  # quorum requests of the open stream (guarded by _lock)
+        self._request_ids = itertools.count(1)
         self.last_error: Exception | None = None
         self._thread = threading.Thread(target=self._run, name=f"ftl-heartbeat-{replica_id}", daemon=True)
 
@@ -271,6 +349,24 @@ class HeartbeatStreamHandle:
 
     def wait_connected(self, timeout: timedelta | float) -> bool:
         return self._connected.wait(seconds(timeout))
+
+    def add_peer_lost_listener(self, listener: Callable[[int, str], None]) -> None:
+        """Call `listener(quorum_id, lost_replica_id)` for each PeerLost notice (on the stream's thread:
+        keep it short and non-blocking)."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def _peer_lost(self, notice: ft_pb2.PeerLost) -> None:
+        logger.info("lighthouse: replica %s of quorum %d lost (%s)", notice.replica_id, notice.quorum_id,
+                    notice.reason, extra={"replica_id": notice.replica_id, "quorum_id": notice.quorum_id,
+                                          "event": "peer_lost"})
+        with self._lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            try:
+                listener(notice.quorum_id, notice.replica_id)
+            except Exception:  # one listener's bug must not end the heartbeats; record it
+                logger.exception("peer-lost listener %r failed", listener)
 
     def _run(self) -> None:
         delays = backoff_delays(initial=0.05, cap=1.0, jitter=0.05)
@@ -302,29 +398,53 @@ class HeartbeatStreamHandle:
         stub = ft_pb2_grpc.LighthouseServiceStub(self._client._channel(addr))
         last_answer = [time.monotonic()]
         request = ft_pb2.LighthouseHeartbeatRequest(replica_id=self.replica_id)
+        goodbye = ft_pb2.LighthouseHeartbeatRequest(replica_id=self.replica_id, leaving=True)
+        outbox: queue.SimpleQueue = queue.SimpleQueue()
 
         def requests() -> Any:
+            """Heartbeats every interval, and quorum requests as soon as they are queued."""
+            yield request
+            next_beat = time.monotonic() + self._interval_s
             while True:
-                yield request
-                if self._stop.wait(self._interval_s):
+                try:
+                    item = outbox.get(timeout=max(next_beat - time.monotonic(), 0.0))
+                except queue.Empty:
+                    item = request
+                if self._stop.is_set():
+                    yield goodbye  # then end the stream: the lighthouse logs a clean exit, pushes nothing
                     return
-                if time.monotonic() - last_answer[0] > self._stale_after_s:
-                    logger.warning("lighthouse %s stopped answering %s's heartbeats; reconnecting", addr,
-                                   self.replica_id)
-                    with self._lock:
-                        if self._call is not None:
-                            self._call.cancel()
-                    return
+                if item is _WAKE:
+                    continue
+                if item is request:
+                    if time.monotonic() - last_answer[0] > self._stale_after_s:
+                        logger.warning("lighthouse %s stopped answering %s's heartbeats; reconnecting", addr,
+                                       self.replica_id)
+                        with self._lock:
+                            if self._call is not None:
+                                self._call.cancel()
+                        return
+                # A quorum request counts as a heartbeat at the lighthouse: the next beat is due an interval later.
+                next_beat = time.monotonic() + self._interval_s
+                yield item
 
         stream = stub.HeartbeatStream(requests(), metadata=auth_metadata(self._client._token))
         with self._lock:
             self._call = stream
+            self._outbox = outbox
         if self._stop.is_set():
             stream.cancel()
         answered = False
         try:
-            for _ in stream:
+            for response in stream:
                 last_answer[0] = time.monotonic()
+                if response.request_id:
+                    with self._lock:
+                        poll = self._polls.pop(response.request_id, None)
+                    if poll is not None:
+                        poll.response = response
+                        poll.done.set()
+                if response.HasField("peer_lost"):
+                    self._peer_lost(response.peer_lost)
                 if not answered:
                     answered = True
                     self._connected.set()
@@ -343,16 +463,68 @@ class HeartbeatStreamHandle:
             self._connected.clear()
             with self._lock:
                 self._call = None
+                self._outbox = None
+                polls, self._polls = self._polls, {}
+            outbox.put(_WAKE)
+            for poll in polls.values():  # the stream ended: their callers fall back to a unary call
+                poll.done.set()
         return answered
 
+    def quorum(self, member: QuorumMember, timeout: timedelta | float) -> Quorum:
+        """Join the next quorum over the open stream; wait (up to `timeout`) for one containing `member`.
+
+        Raises StreamUnavailable when the stream is not open or ends before the answer (the caller then
+        falls back to LighthouseClient.quorum), FTTimeoutError at the deadline."""
+        timeout_s = seconds(timeout)
+        poll = _StreamPoll()
+        with self._lock:  # registered and queued under the lock the stream's end takes: never orphaned
+            outbox = self._outbox if self._connected.is_set() else None
+            if outbox is not None:
+                request_id = next(self._request_ids)
+                self._polls[request_id] = poll
+                outbox.put(ft_pb2.LighthouseHeartbeatRequest(
+                    replica_id=self.replica_id, request_id=request_id, timeout_ms=max(int(timeout_s * 1000), 1),
+                    quorum=ft_pb2.LighthouseQuorumRequest(requester=member.to_pb())))
+        if outbox is None:
+            raise StreamUnavailable(f"heartbeat stream of {self.replica_id} is not open", peer="lighthouse",
+                                    call="LighthouseService.HeartbeatStream", code="UNAVAILABLE")
+        # The lighthouse answers by its own deadline (timeout_ms); a little slack covers the way back.
+        if not poll.done.wait(timeout_s + 1.0):
+            with self._lock:
+                self._polls.pop(request_id, None)
+            raise FTTimeoutError(f"LighthouseService.Quorum (heartbeat stream of {self.replica_id}) timed out after "
+                                 f"{timeout_s:.3g}s; check the lighthouse status page, min_replicas and join_timeout")
+        response = poll.response
+        if response is None:
+            raise StreamUnavailable(f"heartbeat stream of {self.replica_id} ended before the quorum answer",
+                                    peer="lighthouse", call="LighthouseService.HeartbeatStream", code="UNAVAILABLE")
+        if response.error_code == "DEADLINE_EXCEEDED":
+            raise FTTimeoutError(f"{response.error} (after {timeout_s:.3g}s)")
+        if response.error_code == "UNAVAILABLE":
+            raise StreamUnavailable(response.error, peer="lighthouse", call="LighthouseService.Quorum",
+                                    code="UNAVAILABLE")
+        if response.error_code:
+            raise RPCError(response.error, peer="lighthouse", call="LighthouseService.Quorum",
+                           code=response.error_code)
+        return Quorum.from_pb(ft_pb2.LighthouseQuorumResponse.FromString(response.quorum_response).quorum)
+
     def stop(self, timeout: timedelta | float = 5.0) -> None:
-        """Close the stream and join the thread. Idempotent."""
+        """Close the stream and join the thread. Idempotent.
+
+        The request generator sees the stop and ends, which half-closes the stream: the lighthouse
+        answers by ending it, a clean exit. Only if that takes longer than CLEAN_CLOSE_S is it cancelled."""
         self._stop.set()
+        with self._lock:
+            if self._outbox is not None:
+                self._outbox.put(_WAKE)  # the request generator sends the goodbye now, not at the next beat
+        own = threading.current_thread() is self._thread
+        if self._thread.is_alive() and not own:
+            self._thread.join(min(CLEAN_CLOSE_S, seconds(timeout)))
         with self._lock:
             stream = self._call
         if stream is not None:
             stream.cancel()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+        if self._thread.is_alive() and not own:
             self._thread.join(seconds(timeout))
 
     def __enter__(self) -> HeartbeatStreamHandle:

@@ -17,12 +17,24 @@ from typing import Any
 
 from ft_core.errors import ConfigError
 from ft_core.control.proto import ft_pb2
-from ft_core.control.quorum import Joined, LighthouseState, QuorumConfig, decide, healthy_replicas, prune_heartbeats
+from ft_core.control.quorum import (
+    Joined,
+    LighthouseState,
+    QuorumConfig,
+    decide,
+    healthy_replicas,
+    prune_heartbeats,
+)
 from ft_core.control.types import Quorum, QuorumMember
 
 logger = logging.getLogger("ft_core.control.lighthouse")
 
 PRUNE_AFTER_TIMEOUTS = 10  # forget a heartbeat this many heartbeat_timeouts after it expired
+CLEAN_EXIT = "closed by the replica"  # the `why` of a heartbeat stream its replica ended on purpose
+
+# Called (under the core's lock, on whichever thread made the change) with the replica ids to tell
+# and the serialized LighthouseHeartbeatResponse carrying the PeerLost notice.
+PeerLostNotifier = Callable[[list[str], bytes], None]
 
 
 @dataclass(frozen=True)
@@ -55,18 +67,35 @@ class LighthouseConfig:
 class Issued:
     """An issued quorum and its response, serialized once for all its participants."""
 
-    __slots__ = ("_lock", "_response", "quorum")
+    __slots__ = ("_lock", "_response", "_stream_field", "quorum")
 
     def __init__(self, quorum: Quorum) -> None:
         self.quorum = quorum
         self._lock = threading.Lock()
         self._response: bytes | None = None
+        self._stream_field: bytes | None = None
 
     def response(self) -> bytes:
+        """The unary Quorum answer (a LighthouseQuorumResponse)."""
         with self._lock:
             if self._response is None:
                 self._response = ft_pb2.LighthouseQuorumResponse(quorum=self.quorum.to_pb()).SerializeToString()
             return self._response
+
+    def stream_response(self, request_id: int) -> bytes:
+        """The answer on a heartbeat stream: a LighthouseHeartbeatResponse for `request_id`.
+
+        Serialized messages concatenate into their merge, so only the few bytes of the request id are
+        encoded per member; the quorum_response field (the quorum itself) is encoded once."""
+        field = self._stream_field
+        if field is None:
+            payload = self.response()
+            with self._lock:
+                if self._stream_field is None:
+                    self._stream_field = ft_pb2.LighthouseHeartbeatResponse(
+                        quorum_response=payload).SerializeToString()
+                field = self._stream_field
+        return ft_pb2.LighthouseHeartbeatResponse(request_id=request_id).SerializeToString() + field
 
 
 class Waiter:
@@ -102,6 +131,10 @@ class LighthouseCore:
         self._issued = 0
         self._last_reason = ""
         self._closed = False
+        self._first_seen: dict[str, float] = {}  # replica_id -> when it last came alive (rule 8: oldest wins)
+        self._warned_refused: set[tuple[str, str]] = set()  # (refused, older) pairs already logged
+        self._notified: set[tuple[int, str]] = set()  # (quorum_id, lost replica) already pushed
+        self._notifier: PeerLostNotifier | None = None
 
     # -- inputs -------------------------------------------------------------------------------
 
@@ -116,6 +149,7 @@ class LighthouseCore:
         with self._lock:
             rid = member.replica_id
             if rid not in self._dead:
+                self._came_alive_locked(rid, now)
                 self._heartbeats[rid] = now
                 self._expired.discard(rid)
             self._known[rid] = member
@@ -125,6 +159,40 @@ class LighthouseCore:
             self._waiters.setdefault(rid, []).append(waiter)
             if not self._still_waiting_locked(now):
                 self._decide_locked(now)
+
+    def _came_alive_locked(self, rid: str, now: float) -> None:
+        """Before a heartbeat is recorded: a replica absent or expired until now is newly alive (rule 8 ages)."""
+        seen = self._heartbeats.get(rid)
+        if seen is None or now - seen >= self._rules.heartbeat_timeout_s:
+            self._first_seen[rid] = now
+
+    def set_peer_lost_notifier(self, notifier: PeerLostNotifier | None) -> None:
+        """Where PeerLost notices go (the gRPC service writes them on the members' heartbeat streams)."""
+        with self._lock:
+            self._notifier = notifier
+
+    def _lost_locked(self, rid: str, reason: str) -> None:
+        """`rid` was dropped: if it is in the current quorum, tell the quorum's other members at once, so
+        their collectives of that quorum fail now instead of at their timeout (DESIGN.md section 4, Push)."""
+        prev = self._prev
+        notifier = self._notifier
+        if prev is None or notifier is None or self._closed:
+            return
+        key = (prev.quorum_id, rid)
+        if key in self._notified or rid not in prev.replica_ids:
+            return
+        self._notified.add(key)
+        recipients = [p.replica_id for p in prev.participants if p.replica_id != rid and p.replica_id in self._streams]
+        if not recipients:
+            return
+        payload = ft_pb2.LighthouseHeartbeatResponse(peer_lost=ft_pb2.PeerLost(
+            quorum_id=prev.quorum_id, replica_id=rid, reason=reason)).SerializeToString()
+        logger.info("replica %s lost from quorum %d (%s): telling %d member(s)", rid, prev.quorum_id, reason,
+                    len(recipients), extra={"replica_id": rid, "quorum_id": prev.quorum_id, "event": "peer_lost"})
+        try:
+            notifier(recipients, payload)
+        except Exception:  # a notice is an optimisation: the members' own timeouts still bound the step
+            logger.exception("PeerLost notice for %s could not be sent", rid)
 
     def _add_waiting_locked(self, joined: Joined) -> None:
         self._waiting[joined.member.replica_id] = joined
@@ -148,8 +216,10 @@ class LighthouseCore:
                     self._waiting.pop(rid, None)
                     if cancelled and rid not in self._streams and self._heartbeats.pop(rid, None) is not None:
                         self._expired.discard(rid)
+                        self._first_seen.pop(rid, None)
                         logger.info("replica %s treated as dead: its quorum call was cancelled and it has no "
                                     "heartbeat stream", rid, extra={"replica_id": rid, "event": "replica_dead"})
+                        self._lost_locked(rid, "its quorum call was cancelled and it has no heartbeat stream")
                     if not self._closed:
                         self._decide_locked(time.monotonic())
 
@@ -163,6 +233,7 @@ class LighthouseCore:
             revived = seen is None or now - seen >= self._rules.heartbeat_timeout_s
             if not revived:
                 return
+            self._first_seen[replica_id] = now
             self._expired.discard(replica_id)
             waiters = self._waiters.get(replica_id)
             if waiters and replica_id not in self._waiting:  # declared dead while its call still waited
@@ -178,21 +249,30 @@ class LighthouseCore:
         self.heartbeat(replica_id)
 
     def stream_closed(self, replica_id: str, token: object, why: str) -> None:
-        """A heartbeat stream broke or closed: the replica is dead now, not after heartbeat_timeout."""
+        """A heartbeat stream broke or closed: the replica is gone now, not after heartbeat_timeout.
+
+        `why` == CLEAN_EXIT: the replica ended its stream itself (a clean exit, logged as such); anything
+        else is a death, pushed to the other members of the current quorum."""
         with self._lock:
             if self._closed or self._streams.get(replica_id) is not token:
                 return  # shutting down, or a newer stream of the same replica took over
             del self._streams[replica_id]
             self._dead[replica_id] = time.monotonic()
             self._heartbeats.pop(replica_id, None)
+            self._first_seen.pop(replica_id, None)
             self._waiting.pop(replica_id, None)
             self._expired.discard(replica_id)
             if replica_id not in self._waiters:
                 self._known.pop(replica_id, None)
-            if self._metrics is not None:
-                self._metrics.stream_deaths.inc()
-            logger.info("replica %s declared dead: heartbeat stream %s", replica_id, why,
-                        extra={"replica_id": replica_id, "event": "replica_dead"})
+            if why == CLEAN_EXIT:
+                logger.info("replica %s left: it closed its heartbeat stream (clean exit)", replica_id,
+                            extra={"replica_id": replica_id, "event": "replica_left"})
+            else:
+                if self._metrics is not None:
+                    self._metrics.stream_deaths.inc()
+                logger.info("replica %s declared dead: heartbeat stream %s", replica_id, why,
+                            extra={"replica_id": replica_id, "event": "replica_dead"})
+                self._lost_locked(replica_id, f"heartbeat stream {why}")
             if self._waiting:
                 self._decide_locked(time.monotonic())
 
@@ -208,15 +288,25 @@ class LighthouseCore:
                         self._metrics.heartbeats_expired.inc()
                     logger.info("replica %s heartbeat expired (silent for %.2f s)", rid, now - seen,
                                 extra={"replica_id": rid, "event": "heartbeat_expired"})
+                    self._lost_locked(rid, f"heartbeat expired (silent for {now - seen:.2f} s)")
             for rid in prune_heartbeats(self._heartbeats, now, PRUNE_AFTER_TIMEOUTS * timeout):
                 del self._heartbeats[rid]
                 self._expired.discard(rid)
+                self._first_seen.pop(rid, None)
+            if self._warned_refused:
+                self._warned_refused = {pair for pair in self._warned_refused
+                                        if pair[0] in self._heartbeats and pair[1] in self._heartbeats}
             for rid in [r for r in self._known if r not in self._heartbeats and r not in self._waiters]:
                 del self._known[rid]
             for rid in prune_heartbeats(self._dead, now, PRUNE_AFTER_TIMEOUTS * timeout):
                 del self._dead[rid]
             if self._waiting:
                 self._decide_locked(now)
+
+    def refused_by(self, replica_id: str) -> str | None:
+        """The older live replica `replica_id` was refused in favour of (rule 8), if it was."""
+        with self._lock:
+            return next((older for refused, older in self._warned_refused if refused == replica_id), None)
 
     @property
     def closed(self) -> bool:
@@ -253,18 +343,27 @@ class LighthouseCore:
         return seen is not None and now - seen < self._rules.heartbeat_timeout_s
 
     def _state_locked(self) -> LighthouseState:
-        return LighthouseState(self._waiting, self._heartbeats, self._prev, self._quorum_id)
+        return LighthouseState(self._waiting, self._heartbeats, self._prev, self._quorum_id, self._first_seen)
 
     def _decide_locked(self, now: float) -> None:
         decision = decide(self._state_locked(), now, self._rules)
         if decision.reason != self._last_reason:
             self._last_reason = decision.reason
             logger.debug("quorum status: %s", decision.reason)
+        for refused, older in decision.refused.items():
+            if (refused, older) not in self._warned_refused:
+                self._warned_refused.add((refused, older))
+                logger.warning("replica %s refused: its replica group already has a live member, %s; it may take "
+                               "part once %s is gone (stop the old incarnation's processes if it should be)",
+                               refused, older, older,
+                               extra={"replica_id": refused, "older_replica_id": older, "event": "replica_refused"})
         if decision.participants is None:
             return
         quorum = Quorum(decision.quorum_id, decision.participants, created_unix_ms=int(time.time() * 1000))
         first_join = min(self._waiting[m.replica_id].joined_at for m in quorum.participants)
         changed = quorum.quorum_id != self._quorum_id or self._prev is None
+        if self._prev is None or self._prev.quorum_id != quorum.quorum_id:
+            self._notified.clear()  # notices concern the current quorum only
         self._prev = quorum
         self._quorum_id = quorum.quorum_id
         self._issued += 1
@@ -303,7 +402,8 @@ class LighthouseCore:
         now = time.monotonic()
         now_ms = int(time.time() * 1000)
         with self._lock:
-            reason = decide(self._state_locked(), now, self._rules).reason
+            decision = decide(self._state_locked(), now, self._rules)
+            reason = decision.reason
             healthy = healthy_replicas(self._heartbeats, now, self._rules)
             steps = [m.step for m in self._known.values()]
             prev = self._prev
@@ -328,7 +428,8 @@ class LighthouseCore:
                                                        "heartbeat_age_s": age(rid)}
                 entry.update({"healthy": rid in healthy, "waiting": rid in self._waiting,
                               "stream": rid in self._streams, "in_quorum": rid in quorum_ids,
-                              "recovering": known is not None and known.step < max_step})
+                              "recovering": known is not None and known.step < max_step,
+                              "refused_for": decision.refused.get(rid)})
                 members.append(entry)
             quorum = None
             if prev is not None:

@@ -65,17 +65,26 @@ class ManagerClient:
                         token=self._token)
 
     def quorum(self, group_rank: int, step: int, checkpoint_metadata: str, shrink_only: bool,
-               timeout: timedelta | float, init_sync: bool = True, commit_failures: int = 0) -> QuorumResult:
+               timeout: timedelta | float, init_sync: bool = True, commit_failures: int = 0,
+               commit_quorum_id: int = 0) -> QuorumResult:
         """Join the group's quorum as `group_rank`; returns this rank's recovery plan."""
         request = ft_pb2.ManagerQuorumRequest(group_rank=group_rank, step=step,
                                               checkpoint_metadata=checkpoint_metadata, shrink_only=shrink_only,
-                                              init_sync=init_sync, commit_failures=commit_failures)
+                                              init_sync=init_sync, commit_failures=commit_failures,
+                                              commit_quorum_id=commit_quorum_id)
         return result_from_pb(self._call(self._stub.Quorum, request, "Quorum", timeout))
 
     def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: timedelta | float) -> bool:
         """The group-wide commit decision for `step` (AND of every rank's vote)."""
-        request = ft_pb2.ShouldCommitRequest(group_rank=group_rank, step=step, should_commit=should_commit)
-        return self._call(self._stub.ShouldCommit, request, "ShouldCommit", timeout).should_commit
+        return self.commit_round(group_rank, step, should_commit, False, timeout)[0]
+
+    def commit_round(self, group_rank: int, step: int, should_commit: bool, healed: bool,
+                     timeout: timedelta | float) -> tuple[bool, bool]:
+        """(AND of the ranks' votes, AND of their `healed` bits) for `step`."""
+        request = ft_pb2.ShouldCommitRequest(group_rank=group_rank, step=step, should_commit=should_commit,
+                                             healed=healed)
+        response = self._call(self._stub.ShouldCommit, request, "ShouldCommit", timeout)
+        return response.should_commit, response.all_healed
 
     def checkpoint_metadata(self, group_rank: int, timeout: timedelta | float) -> str:
         """The checkpoint transport address that `group_rank` of this group registered."""

@@ -1,10 +1,13 @@
 """Per-group manager server (runs on group rank 0) and its client.
 
 The server gathers one Quorum call from every rank of its replica group, sends ONE lighthouse
-quorum for the group, and answers each rank with its own recovery plan (ft_core.control.recovery). It
-also runs the group's commit barrier (keyed by step) and keeps a heartbeat stream to the
-lighthouse. A Manager in the same process uses `quorum_local` / `should_commit_local` and skips
-the gRPC hop; the other ranks use `ManagerClient`.
+quorum for the group (over its heartbeat stream when open, else a unary call), and answers each rank
+with its own recovery plan (ft_core.control.recovery). It also runs the group's commit barrier (keyed
+by step) and keeps a heartbeat stream to the lighthouse, whose PeerLost notices reach the listeners of
+`add_failure_listener`. After a failed step it probes the last quorum's peers and reports the ones it
+cannot reach, so the lighthouse can pick a set of groups that all reach each other. A Manager in the
+same process uses `quorum_local` / `should_commit_local` and skips the gRPC hop; the other ranks use
+`ManagerClient`.
 
 Kill policy: Kill exits the hosting process, so it must be authenticated. With a token set, the
 token interceptor authenticates it and Kill is allowed. Without a token Kill is refused unless
@@ -18,18 +21,20 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
 import grpc
 
-from ft_core import settings
-from ft_core import net
+from ft_core import net, settings
 from ft_core.control import rpc
-from ft_core.control.lighthouse_client import LighthouseClient
+from ft_core.control.lighthouse_client import LighthouseClient, StreamUnavailable
+from ft_core.control.manager_rounds import CommitRound, QuorumRound, RankRequest
 from ft_core.control.manager_client import ManagerClient, result_to_pb
+from ft_core.control.manager_server_config import ManagerServerConfig, resolve_config
 from ft_core.errors import ConfigError, FTError, FTTimeoutError, QuorumError, RPCError
 from ft_core.control.proto import ft_pb2, ft_pb2_grpc
 from ft_core.control.recovery import QuorumResult, compute_recovery_plan
@@ -43,93 +48,14 @@ MAX_CHECKPOINT_METADATA_BYTES = 64 * 1024
 NO_DEADLINE_S = 1e9  # grpcio reports "no deadline" as ~9e18 seconds remaining
 KILL_EXIT_DELAY_S = 0.1  # lets the Kill response reach the caller before the process exits
 STREAM_WAIT_S = 1.0  # longest a quorum round waits for a connecting heartbeat stream
+REPROBE_S = 2.0  # while this group reports unreachable peers, probe again this often during its long poll
+PROBE_S = 0.5  # longest the reachability probe of the previous quorum's peers takes after a failed step
 
 
 def answer_by(timeout_s: float) -> float:
     """Monotonic time at which to give up on a caller with `timeout_s` left: a little before its own
     deadline, so it receives our explanation instead of a bare DEADLINE_EXCEEDED."""
     return time.monotonic() + timeout_s - min(0.2, 0.1 * timeout_s)
-
-
-@dataclass(frozen=True)
-class ManagerServerConfig:
-    """Resolved settings of one manager server (ft_core.settings: environment overrides arguments)."""
-
-    replica_id: str
-    lighthouse_addrs: tuple[str, ...]
-    hostname: str
-    bind: str
-    store_addr: str
-    world_size: int
-    heartbeat_interval: timedelta
-    connect_timeout: timedelta
-    quorum_retries: int
-    token: str | None = field(default=None, repr=False)
-    allow_kill: bool | None = None
-
-    @property
-    def kill_allowed(self) -> bool:
-        return self.allow_kill if self.allow_kill is not None else bool(self.token)
-
-
-def resolve_config(replica_id: str, lighthouse_addr: str | list[str] | None, hostname: str, bind: str,
-                   store_addr: str, world_size: int, heartbeat_interval: timedelta,
-                   connect_timeout: timedelta | float | None, quorum_retries: int | None, token: str | None,
-                   allow_kill: bool | None) -> ManagerServerConfig:
-    """Validate arguments and apply FT_* overrides; raises ConfigError naming the bad setting."""
-    if not replica_id:
-        raise ConfigError("ManagerServer needs a non-empty replica_id (the replica group's name)")
-    addr_arg = ",".join(lighthouse_addr) if isinstance(lighthouse_addr, (list, tuple)) else lighthouse_addr
-    addrs = rpc.split_addresses(settings.value("FT_LIGHTHOUSE", addr_arg) or "")
-    if not addrs:
-        raise ConfigError("ManagerServer needs a lighthouse address: pass lighthouse_addr='host:port[,host:port]' "
-                          "or set FT_LIGHTHOUSE")
-    if world_size < 1:
-        raise ConfigError(f"ManagerServer world_size must be >= 1 (ranks in the replica group), got {world_size}")
-    retries = settings.value("FT_QUORUM_RETRIES", quorum_retries)
-    if retries < 0:
-        raise ConfigError(f"quorum_retries must be >= 0, got {retries}")
-    if rpc.seconds(heartbeat_interval) <= 0:
-        raise ConfigError(f"heartbeat_interval must be positive, got {heartbeat_interval}")
-    return ManagerServerConfig(
-        replica_id=replica_id, lighthouse_addrs=tuple(addrs), hostname=hostname, bind=bind, store_addr=store_addr,
-        world_size=world_size, heartbeat_interval=heartbeat_interval,
-        connect_timeout=settings.value("FT_CONNECT_TIMEOUT_SEC", connect_timeout), quorum_retries=retries,
-        token=settings.value("FT_TOKEN", token) or None, allow_kill=settings.value("FT_ALLOW_KILL", allow_kill))
-
-
-@dataclass
-class _RankRequest:
-    """One group rank's Quorum call, waiting in a round."""
-
-    group_rank: int
-    step: int
-    shrink_only: bool
-    commit_failures: int
-    deadline: float
-
-
-@dataclass
-class _QuorumRound:
-    """Quorum calls of one group collected until every rank has arrived; then one lighthouse call."""
-
-    requests: dict[int, _RankRequest] = field(default_factory=dict)
-    quorum: Quorum | None = None
-    error: FTError | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.quorum is not None or self.error is not None
-
-
-@dataclass
-class _CommitRound:
-    """Votes of the group's ranks for one step."""
-
-    step: int
-    votes: dict[int, tuple[bool, object]] = field(default_factory=dict)
-    decision: bool | None = None
-    error: FTError | None = None
 
 
 class ManagerServer:
@@ -142,12 +68,20 @@ class ManagerServer:
                  token: str | None = None, allow_kill: bool | None = None) -> None:
         self.config = resolve_config(replica_id, lighthouse_addr, hostname, bind, store_addr, world_size,
                                      heartbeat_interval, connect_timeout, quorum_retries, token, allow_kill)
+        try:  # one dial at start: a typo or a lighthouse that is not up is reported in seconds, not at a deadline
+            net.check_reachable(self.config.lighthouse_addrs)
+        except RPCError as exc:
+            logger.warning("replica group %s: %s; retrying until the quorum deadline", replica_id, exc)
         self._client_cls = LighthouseClient
+        self._use_stream = settings.value("FT_STREAM_QUORUM", None)  # quorum over the heartbeat stream
         self._cond = threading.Condition()
-        self._quorum_round = _QuorumRound()
-        self._commit_round: _CommitRound | None = None
+        self._quorum_round = QuorumRound()
+        self._commit_round: CommitRound | None = None
         self._checkpoint_metadata: dict[int, str] = {}
         self._last_quorum_id = 0
+        self._last_quorum: Quorum | None = None  # the last quorum the lighthouse gave this group
+        self._unreachable: tuple[str, ...] = ()  # peers of that quorum the last probe could not reach
+        self._lost: set[tuple[int, str]] = set()  # (quorum_id, replica_id) the lighthouse said were lost
         self._closed = False
         self._lighthouse_lock = threading.Lock()  # guards _lighthouse
         self._lighthouse: Any = None
@@ -203,6 +137,14 @@ class ManagerServer:
         """Highest quorum_id this server has received from the lighthouse."""
         return self._last_quorum_id
 
+    def add_failure_listener(self, listener: Callable[[int, str], None]) -> None:
+        """Call `listener(quorum_id, lost_replica_id)` when the lighthouse says a member of quorum `quorum_id`
+        was lost (its stream broke or its heartbeat expired): that quorum's collectives cannot finish.
+
+        Called on the heartbeat stream's thread as the notice arrives: keep it short and non-blocking
+        (the Manager records the error and aborts its process group from it)."""
+        self._heartbeat.add_peer_lost_listener(listener)
+
     def shutdown(self) -> None:
         """Stop heartbeats (the lighthouse drops us), fail waiting calls, stop serving. Idempotent."""
         with self._cond:
@@ -215,16 +157,18 @@ class ManagerServer:
             if self._commit_round is not None:
                 self._commit_round.error = closing
             self._cond.notify_all()
+        # A lighthouse long poll in flight holds a handler thread for up to its whole timeout: closing the
+        # client's channel cancels it now, so the handlers below end at once.
+        with self._lighthouse_lock:
+            lighthouse, self._lighthouse = self._lighthouse, None
+        if lighthouse is not None:
+            lighthouse.close()
         if self._heartbeat is not None:
             self._heartbeat.stop()
         if self._heartbeat_client is not None:
             self._heartbeat_client.close()
         self._server.stop(grace=0.2).wait(timeout=5)
         self._handlers.shutdown(wait=True, cancel_futures=True)  # grpc does not end its executor's threads
-        with self._lighthouse_lock:
-            if self._lighthouse is not None:
-                self._lighthouse.close()
-                self._lighthouse = None
 
     def __enter__(self) -> "ManagerServer":
         return self
@@ -237,6 +181,14 @@ class ManagerServer:
         self._heartbeat_client = self._client_cls(list(cfg.lighthouse_addrs), connect_timeout=cfg.connect_timeout,
                                                   token=cfg.token)
         self._heartbeat = self._heartbeat_client.start_heartbeat_stream(cfg.replica_id, cfg.heartbeat_interval)
+        self._heartbeat.add_peer_lost_listener(self._note_lost)
+
+    def _note_lost(self, quorum_id: int, replica_id: str) -> None:
+        """A lost peer is not probed: the lighthouse already dropped it (probing a cut host costs PROBE_S)."""
+        with self._cond:
+            if len(self._lost) > 1024:
+                self._lost.clear()
+            self._lost.add((quorum_id, replica_id))
 
     # ----------------------------------------------------------------- validation
 
@@ -261,7 +213,8 @@ class ManagerServer:
     # ----------------------------------------------------------------- quorum
 
     def quorum_local(self, group_rank: int, step: int, checkpoint_metadata: str, shrink_only: bool,
-                     timeout: timedelta | float, init_sync: bool = True, commit_failures: int = 0) -> QuorumResult:
+                     timeout: timedelta | float, init_sync: bool = True, commit_failures: int = 0,
+                     commit_quorum_id: int = 0) -> QuorumResult:
         """Join this group's quorum round as `group_rank` and return that rank's plan (no gRPC hop)."""
         self._check_rank("Quorum", group_rank)
         self._check_step("Quorum", step)
@@ -273,7 +226,7 @@ class ManagerServer:
                                           f"{MAX_CHECKPOINT_METADATA_BYTES} (it should be a transport address)")
         timeout_s = rpc.seconds(timeout)
         deadline = answer_by(timeout_s)
-        entry = _RankRequest(group_rank, step, shrink_only, commit_failures, deadline)
+        entry = RankRequest(group_rank, step, shrink_only, commit_failures, deadline, commit_quorum_id)
         with self._cond:
             self._check_open("Quorum")
             self._checkpoint_metadata[group_rank] = checkpoint_metadata
@@ -282,7 +235,7 @@ class ManagerServer:
             self._cond.notify_all()
             lead = len(rnd.requests) == self.config.world_size
             if lead:
-                self._quorum_round = _QuorumRound()  # later calls belong to the next round
+                self._quorum_round = QuorumRound()  # later calls belong to the next round
         if lead:
             self._run_round(rnd)
         else:
@@ -295,7 +248,7 @@ class ManagerServer:
         except QuorumError as exc:
             raise RPCError(str(exc), peer=self._address, call="Quorum", code="FAILED_PRECONDITION") from None
 
-    def _wait_round(self, rnd: _QuorumRound, entry: _RankRequest, timeout_s: float) -> None:
+    def _wait_round(self, rnd: QuorumRound, entry: RankRequest, timeout_s: float) -> None:
         with self._cond:
             while not rnd.finished:
                 if rnd.requests.get(entry.group_rank) is not entry:
@@ -318,7 +271,7 @@ class ManagerServer:
                         f" to issue a quorum; check the lighthouse status page, min_replicas and join_timeout")
                 self._cond.wait(remaining)
 
-    def _run_round(self, rnd: _QuorumRound) -> None:
+    def _run_round(self, rnd: QuorumRound) -> None:
         """Called by the last rank to arrive: cross-check steps, one lighthouse call, wake every rank."""
         requests = sorted(rnd.requests.values(), key=lambda r: r.group_rank)
         steps = {r.step for r in requests}
@@ -331,12 +284,14 @@ class ManagerServer:
                              f"that skipped should_commit or loaded another checkpoint)", peer=self._address,
                              call="Quorum", code="FAILED_PRECONDITION")
         else:
+            deadline = min(r.deadline for r in requests)  # every rank hears the outcome before its deadline
+            commit_failures = max(r.commit_failures for r in requests)
             member = QuorumMember(
                 replica_id=self.replica_id, address=self._address, store_address=self.config.store_addr,
                 step=requests[0].step, world_size=self.config.world_size,
-                shrink_only=any(r.shrink_only for r in requests),
-                commit_failures=max(r.commit_failures for r in requests), last_quorum_id=self._last_quorum_id)
-            deadline = min(r.deadline for r in requests)  # every rank hears the outcome before its deadline
+                shrink_only=any(r.shrink_only for r in requests), commit_failures=commit_failures,
+                last_quorum_id=self._last_quorum_id, unreachable=self._probe_peers(commit_failures, deadline),
+                commit_quorum_id=min(r.commit_quorum_id for r in requests))  # the oldest fork any rank is on
             self._await_heartbeat_stream(deadline)
             try:
                 quorum = self._lighthouse_quorum(member, deadline)
@@ -345,6 +300,7 @@ class ManagerServer:
         with self._cond:
             if quorum is not None:
                 self._last_quorum_id = max(self._last_quorum_id, quorum.quorum_id)
+                self._last_quorum = quorum
             rnd.quorum, rnd.error = quorum, error
             if rnd.error is None and rnd.quorum is None:
                 rnd.error = FTError("quorum round ended without a result")
@@ -356,6 +312,29 @@ class ManagerServer:
             logger.warning("quorum round of replica group %s failed: %s", self.replica_id, error,
                            extra={"ft_event": {"type": "error", "replica_id": self.replica_id,
                                                "message": str(error)}})
+
+    def _probe_peers(self, commit_failures: int, deadline: float) -> tuple[str, ...]:
+        """After a failed step, the peers of the last quorum whose manager servers this host cannot reach.
+
+        Reported in the quorum request so the lighthouse issues a set of groups that can all reach each
+        other (an asymmetric partition must not fail step after step on the same membership). Probed
+        again at every round while the last report was not empty; nothing is probed after a good step.
+        """
+        last = self._last_quorum
+        if last is None or (commit_failures == 0 and not self._unreachable):
+            self._unreachable = ()
+            return ()
+        with self._cond:
+            lost = {rid for qid, rid in self._lost if qid == last.quorum_id}
+        peers = {m.replica_id: m.address for m in last.participants
+                 if m.replica_id != self.replica_id and m.address and m.replica_id not in lost}
+        budget = min(PROBE_S, 0.25 * (deadline - time.monotonic()))
+        unreachable = tuple(rpc.unreachable_peers(peers, budget)) if peers and budget > 0 else ()
+        if unreachable != self._unreachable and unreachable:
+            logger.warning("replica group %s cannot reach %s of quorum %d after a failed step; reporting it to the "
+                           "lighthouse", self.replica_id, list(unreachable), last.quorum_id)
+        self._unreachable = unreachable
+        return unreachable
 
     def _await_heartbeat_stream(self, deadline: float) -> None:
         """Before a round, give a connecting heartbeat stream a moment (no wait once it is up).
@@ -374,20 +353,35 @@ class ManagerServer:
         attempts = self.config.quorum_retries + 1
         delays = rpc.backoff_delays(initial=0.1, cap=1.0)
         last: FTError | None = None
-        for attempt in range(1, attempts + 1):
+        attempt = 0
+        while attempt < attempts:
+            attempt += 1
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             client = None
+            if self._closed:
+                last = last or FTError(f"manager server of replica group {self.replica_id} is shutting down")
+                break
             try:
+                # While we report unreachable peers the poll is cut in slices, each followed by a fresh
+                # probe: once the partition heals we join with a clean report instead of staying excluded.
+                sliced = bool(member.unreachable) and remaining > REPROBE_S
+                answer = self._stream_quorum(member, REPROBE_S if sliced else remaining)
+                if answer is not None:
+                    return answer
                 client = self._lighthouse_client()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
-                return client.quorum(member, timeout=timedelta(seconds=remaining))
+                sliced = bool(member.unreachable) and remaining > REPROBE_S
+                return client.quorum(member, timeout=timedelta(seconds=REPROBE_S if sliced else remaining))
             except FTTimeoutError as exc:
                 last = exc
-                break  # the long poll used the whole budget; a retry has nothing left to wait with
+                if not (member.unreachable and deadline - time.monotonic() > 0 and not self._closed):
+                    break  # the long poll used the whole budget; a retry has nothing left to wait with
+                member = replace(member, unreachable=self._probe_peers(member.commit_failures, deadline))
+                attempt -= 1  # a slice is no failed attempt
             except FTError as exc:
                 last = exc
                 logger.warning("lighthouse quorum attempt %d/%d for replica group %s failed: %s", attempt,
@@ -396,6 +390,9 @@ class ManagerServer:
                 if attempt < attempts:
                     time.sleep(max(min(next(delays), deadline - time.monotonic()), 0))
         where = ",".join(self.config.lighthouse_addrs)
+        if self._closed:
+            raise RPCError(f"lighthouse quorum for replica group {self.replica_id} ended: the manager server is "
+                           f"shutting down", peer=self._address, call="Quorum", code="UNAVAILABLE")
         if last is None or isinstance(last, FTTimeoutError):
             raise FTTimeoutError(f"lighthouse quorum for replica group {self.replica_id} at {where} did not complete "
                                  f"before the deadline ({last or 'no time left'}); check that the lighthouse is up, "
@@ -403,9 +400,26 @@ class ManagerServer:
         raise RPCError(f"lighthouse quorum for replica group {self.replica_id} failed after {attempts} attempt(s) at "
                        f"{where}: {last}", peer=self._address, call="Quorum", code="UNAVAILABLE")
 
+    def _stream_quorum(self, member: QuorumMember, timeout_s: float) -> Quorum | None:
+        """The quorum over our open heartbeat stream (one message each way, no call set up per round), or
+        None when the stream cannot carry it (not open, ended, lighthouse closing): the caller then sends
+        a unary call, which also fails over across the lighthouse addresses."""
+        heartbeat = self._heartbeat
+        if heartbeat is None or not heartbeat.connected or not self._use_stream:
+            return None
+        try:
+            return heartbeat.quorum(member, timeout=timeout_s)
+        except StreamUnavailable as exc:
+            logger.debug("replica group %s: quorum over the heartbeat stream unavailable (%s); unary call",
+                         self.replica_id, exc)
+            return None
+
     def _lighthouse_client(self) -> Any:
         """The lighthouse client for quorum calls, built on first use and again after a failure."""
         with self._lighthouse_lock:
+            if self._closed:
+                raise RPCError(f"manager server of replica group {self.replica_id} is shutting down",
+                               peer=self._address, call="Quorum", code="UNAVAILABLE")
             if self._lighthouse is None:
                 self._lighthouse = self._client_cls(list(self.config.lighthouse_addrs),
                                                     connect_timeout=self.config.connect_timeout,
@@ -424,6 +438,11 @@ class ManagerServer:
     def should_commit_local(self, group_rank: int, step: int, should_commit: bool,
                             timeout: timedelta | float) -> bool:
         """Vote for `step` as `group_rank`; True only when every rank of the group votes True for that step."""
+        return self.commit_round_local(group_rank, step, should_commit, False, timeout)[0]
+
+    def commit_round_local(self, group_rank: int, step: int, should_commit: bool, healed: bool,
+                           timeout: timedelta | float) -> tuple[bool, bool]:
+        """(AND of the ranks' votes, AND of their `healed` bits) for `step`: the group's commit barrier."""
         self._check_rank("ShouldCommit", group_rank)
         self._check_step("ShouldCommit", step)
         timeout_s = rpc.seconds(timeout)
@@ -433,7 +452,7 @@ class ManagerServer:
             self._check_open("ShouldCommit")
             rnd = self._commit_round
             if rnd is None:
-                rnd = self._commit_round = _CommitRound(step)
+                rnd = self._commit_round = CommitRound(step)
             elif rnd.step != step:
                 rnd.error = RPCError(
                     f"ShouldCommit: group rank {group_rank} of replica group {self.replica_id} voted for step {step} "
@@ -444,11 +463,13 @@ class ManagerServer:
                 self._cond.notify_all()
                 raise rnd.error
             rnd.votes[group_rank] = (bool(should_commit), token)
+            rnd.healed[group_rank] = bool(healed)
             if len(rnd.votes) == self.config.world_size:
                 rnd.decision = all(v for v, _ in rnd.votes.values())
+                rnd.all_healed = all(rnd.healed.get(r, False) for r in rnd.votes)
                 self._commit_round = None
                 self._cond.notify_all()
-                return rnd.decision
+                return rnd.decision, rnd.all_healed
             self._cond.notify_all()
             while rnd.decision is None and rnd.error is None:
                 if rnd.votes.get(group_rank, (None, None))[1] is not token:
@@ -468,7 +489,7 @@ class ManagerServer:
                 self._cond.wait(remaining)
             if rnd.error is not None:
                 raise rnd.error
-            return rnd.decision
+            return rnd.decision, rnd.all_healed
 
     # ----------------------------------------------------------------- checkpoint metadata
 
@@ -530,14 +551,14 @@ class _ManagerServicer(ft_pb2_grpc.ManagerServiceServicer):
         timeout = self._timeout(context, "Quorum")
         result = self._run(context, self._server.quorum_local, request.group_rank, request.step,
                            request.checkpoint_metadata, request.shrink_only, timeout, request.init_sync,
-                           request.commit_failures)
+                           request.commit_failures, request.commit_quorum_id)
         return result_to_pb(result)
 
     def ShouldCommit(self, request: ft_pb2.ShouldCommitRequest, context: grpc.ServicerContext) -> Any:
         timeout = self._timeout(context, "ShouldCommit")
-        decision = self._run(context, self._server.should_commit_local, request.group_rank, request.step,
-                             request.should_commit, timeout)
-        return ft_pb2.ShouldCommitResponse(should_commit=decision)
+        decision, all_healed = self._run(context, self._server.commit_round_local, request.group_rank, request.step,
+                                         request.should_commit, request.healed, timeout)
+        return ft_pb2.ShouldCommitResponse(should_commit=decision, all_healed=all_healed)
 
     def CheckpointMetadata(self, request: ft_pb2.CheckpointMetadataRequest, context: grpc.ServicerContext) -> Any:
         self._timeout(context, "CheckpointMetadata")

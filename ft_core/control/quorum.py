@@ -9,14 +9,16 @@ Times are float seconds on one monotonic clock chosen by the caller.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from ft_core.control.types import Quorum, QuorumMember
 
 MAX_DATA_BYTES = 64 * 1024  # user JSON carried in QuorumMember.data
 MAX_FIELD_CHARS = 1024  # replica_id, address, store_address
 MAX_QUORUM_ID = 2**62  # far above any real job; keeps max(reported) + 1 inside int64
+MAX_UNREACHABLE = 4096  # replica ids one member may report unreachable
+CLIQUE_SEARCH_BUDGET = 20_000  # branch steps of the exact largest-reachable-set search per component
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class LighthouseState:
     heartbeats: Mapping[str, float]  # replica_id -> time of last heartbeat
     prev_quorum: Quorum | None = None
     quorum_id: int = 0
+    first_seen: Mapping[str, float] = field(default_factory=dict)  # replica_id -> when first heard (rule 8)
 
 
 @dataclass(frozen=True)
@@ -62,12 +65,104 @@ class Decision:
     reason: str
     quorum_id: int  # the id the quorum gets if issued; the current id otherwise
     fast: bool = False
+    refused: Mapping[str, str] = field(default_factory=dict)  # rule 8: refused replica id -> the live one it yields to
 
 
 def healthy_replicas(heartbeats: Mapping[str, float], now: float, config: QuorumConfig) -> set[str]:
     """Rule 1: replicas whose last heartbeat is younger than heartbeat_timeout."""
     limit = config.heartbeat_timeout_s
     return {rid for rid, seen in heartbeats.items() if now - seen < limit}
+
+
+def replica_group(replica_id: str) -> str:
+    """The replica group a replica id names: the part before its incarnation suffix (`group:suffix`)."""
+    group, sep, _ = replica_id.rpartition(":")
+    return group if sep and group else replica_id
+
+
+def refused_incarnations(live: Mapping[str, float]) -> dict[str, str]:
+    """Rule 8: one live member per replica group. `live` maps live replica ids to when each was first
+    seen; every live incarnation of a group but the oldest (ties: lowest id) is refused until the older
+    one is gone. Returns refused replica id -> the live replica id it yields to."""
+    by_group: dict[str, list[str]] = {}
+    for rid in live:
+        by_group.setdefault(replica_group(rid), []).append(rid)
+    refused: dict[str, str] = {}
+    for rids in by_group.values():
+        if len(rids) > 1:
+            first, *newer = sorted(rids, key=lambda r: (live[r], r))
+            refused.update((rid, first) for rid in newer)
+    return refused
+
+
+def largest_reachable_set(candidates: Sequence[str], unreachable: Mapping[str, Collection[str]],
+                          budget: int = CLIQUE_SEARCH_BUDGET) -> list[str]:
+    """Rule 7: the largest subset of `candidates` whose members can all reach each other (ties: the
+    lowest replica ids, compared as sorted lists), given each member's report of peers it could not
+    reach. A pair is cut when either side reports the other, so an asymmetric partition never lets
+    both in. Returned sorted.
+
+    Members that no one reports and that report no one are in every answer; the others form a small
+    conflict graph whose connected components are solved independently by an exact search (the
+    largest independent set, found in lexicographic order) of at most `budget` steps each, past
+    which the best set found so far is kept (still deterministic).
+    """
+    ids = sorted(set(candidates))
+    present = set(ids)
+    conflicts: dict[str, set[str]] = {}
+    for rid in ids:
+        for other in unreachable.get(rid, ()):
+            if other != rid and other in present:
+                conflicts.setdefault(rid, set()).add(other)
+                conflicts.setdefault(other, set()).add(rid)
+    if not conflicts:
+        return ids
+    keep = [rid for rid in ids if rid not in conflicts]
+    seen: set[str] = set()
+    for start in sorted(conflicts):
+        if start in seen:
+            continue
+        component, stack = [], [start]
+        seen.add(start)
+        while stack:
+            node = stack.pop()
+            component.append(node)
+            for peer in conflicts[node]:
+                if peer not in seen:
+                    seen.add(peer)
+                    stack.append(peer)
+        keep.extend(_largest_independent_set(sorted(component), conflicts, budget))
+    return sorted(keep)
+
+
+def _largest_independent_set(nodes: list[str], conflicts: Mapping[str, set[str]], budget: int) -> list[str]:
+    """Largest set of `nodes` with no conflict among them; the lexicographically smallest of that size.
+
+    Depth-first over sorted nodes, taking a node before leaving it out: the first set found of each
+    size is the lexicographically smallest, so only a strictly larger one replaces it."""
+    best: list[str] = []
+    steps = 0
+
+    def search(i: int, chosen: list[str], banned: frozenset[str]) -> None:
+        nonlocal best, steps
+        steps += 1
+        if steps > budget:
+            return
+        free = sum(1 for n in nodes[i:] if n not in banned)
+        if len(chosen) + free <= len(best):
+            return  # cannot beat the best (equal size would be lexicographically larger)
+        if i == len(nodes):
+            best = list(chosen)
+            return
+        node = nodes[i]
+        if node not in banned:
+            chosen.append(node)
+            search(i + 1, chosen, banned | conflicts[node])
+            chosen.pop()
+        search(i + 1, chosen, banned)
+
+    search(0, [], frozenset())
+    return best
 
 
 def next_quorum_id(prev_quorum: Quorum | None, quorum_id: int, participants: Iterable[QuorumMember]) -> int:
@@ -93,18 +188,26 @@ def next_quorum_id(prev_quorum: Quorum | None, quorum_id: int, participants: Ite
 def decide(state: LighthouseState, now: float, config: QuorumConfig) -> Decision:
     """Rules 1-5: whether a quorum can be issued now, with whom, and the reason either way."""
     healthy = healthy_replicas(state.heartbeats, now, config)
+    refused = refused_incarnations({rid: state.first_seen.get(rid, 0.0) for rid in healthy}) \
+        if state.first_seen else {}
+    if refused:  # rule 8: a second live incarnation of a group neither counts nor takes part
+        healthy -= refused.keys()
     joined = {rid: j for rid, j in state.waiting.items() if rid in healthy}
     candidates = [joined[rid].member for rid in sorted(joined)]
     shrink_only = any(m.shrink_only for m in candidates)
     tag = (f"[{len(joined)}/{len(state.waiting)} participants healthy][{len(healthy)} heartbeating]"
            f"[shrink_only={shrink_only}]")
+    refused_waiting = sorted(rid for rid in state.waiting if rid in refused)
+    if refused_waiting:
+        tag += "[refused: " + ", ".join(f"{rid} (replica group already has live {refused[rid]})"
+                                        for rid in refused_waiting) + "]"
 
     def wait(why: str) -> Decision:
-        return Decision(None, f"{why} {tag}", state.quorum_id)
+        return Decision(None, f"{why} {tag}", state.quorum_id, refused=refused)
 
     def issue(members: list[QuorumMember], why: str, fast: bool = False) -> Decision:
         qid = next_quorum_id(state.prev_quorum, state.quorum_id, members)
-        return Decision(tuple(members), f"{why} {tag}", qid, fast)
+        return Decision(tuple(members), f"{why} {tag}", qid, fast, refused=refused)
 
     if not state.waiting:
         return wait("No replica is waiting for a quorum.")
@@ -112,12 +215,20 @@ def decide(state: LighthouseState, now: float, config: QuorumConfig) -> Decision
         return wait(f"No waiting replica is healthy (no heartbeat within {config.heartbeat_timeout_ms} ms).")
 
     prev = state.prev_quorum
-    if prev is not None:
-        prev_ids = set(prev.replica_ids)
-        if shrink_only:  # rule 2: only members of the previous quorum may take part
-            candidates = [m for m in candidates if m.replica_id in prev_ids]
-        if prev_ids and prev_ids <= joined.keys():  # rule 3: fast quorum
-            return issue(candidates, "Fast quorum found!", fast=True)
+    prev_ids = set(prev.replica_ids) if prev is not None else set()
+    if prev is not None and shrink_only:  # rule 2: only members of the previous quorum may take part
+        candidates = [m for m in candidates if m.replica_id in prev_ids]
+    if any(m.unreachable for m in candidates):  # rule 7: only a set that can all reach each other
+        reachable = set(largest_reachable_set([m.replica_id for m in candidates],
+                                              {m.replica_id: m.unreachable for m in candidates}))
+        cut = [m.replica_id for m in candidates if m.replica_id not in reachable]
+        if cut:
+            candidates = [m for m in candidates if m.replica_id in reachable]
+            tag += f"[unreachable from the others: {', '.join(cut)}]"
+            if prev_ids & set(cut):
+                prev_ids = set()  # no fast path: the previous membership cannot be reissued as it was
+    if prev_ids and prev_ids <= joined.keys():  # rule 3: fast quorum
+        return issue(candidates, "Fast quorum found!", fast=True)
 
     # Rule 4. min_replicas counts the participants actually issued (after shrink_only), so a
     # quorum never has fewer than min_replicas outside the fast path. The majority counts every
@@ -158,6 +269,10 @@ def member_problem(member: QuorumMember | None) -> str | None:
         return f"last_quorum_id must be >= 0, got {member.last_quorum_id}"
     if member.last_quorum_id >= MAX_QUORUM_ID:  # the next id must still fit the wire's int64
         return f"last_quorum_id must be < {MAX_QUORUM_ID}, got {member.last_quorum_id}"
+    if len(member.unreachable) > MAX_UNREACHABLE:
+        return f"unreachable lists {len(member.unreachable)} replicas, over the limit of {MAX_UNREACHABLE}"
+    if any(len(rid) > MAX_FIELD_CHARS for rid in member.unreachable):
+        return f"an unreachable replica id is longer than {MAX_FIELD_CHARS} characters"
     size = len(member.data.encode())
     if size > MAX_DATA_BYTES:
         return f"data field is {size} bytes, over the {MAX_DATA_BYTES}-byte limit: send less user data"

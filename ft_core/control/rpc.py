@@ -6,12 +6,15 @@ surface as `FTTimeoutError` (a TimeoutError) or a typed `RPCError` naming peer, 
 
 from __future__ import annotations
 
+import errno
 import hmac
 import os
 import random
+import selectors
+import socket
 import ssl
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
@@ -20,7 +23,7 @@ import grpc
 
 from ft_core import settings
 from ft_core.errors import AuthError, ConfigError, FTTimeoutError, RPCError
-from ft_core.net import normalize_address, split_addresses  # noqa: F401 - also used as rpc.split_addresses
+from ft_core.net import normalize_address, split_addresses, split_host_port  # noqa: F401 - rpc.split_addresses
 
 TOKEN_METADATA_KEY = "authorization"
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # control-plane messages are small; bigger ones are rejected
@@ -115,6 +118,55 @@ def map_rpc_error(err: grpc.RpcError, *, peer: str, call: str, timeout_s: float 
                         f"address is right", peer=peer, call=call, code=code.name)
     name = code.name if code is not None else "UNKNOWN"
     return RPCError(f"{where} failed with {name}: {details}", peer=peer, call=call, code=name)
+
+
+def unreachable_peers(peers: Mapping[str, str], timeout_s: float) -> list[str]:
+    """The keys of `peers` (name -> `host:port`) that do not accept a TCP connection within `timeout_s`.
+
+    All connects run at once, non-blocking, on the calling thread: the whole probe takes at most
+    `timeout_s` (a peer behind a dropping firewall or a cut link uses the whole of it; a live one
+    answers in a round trip, a dead one refuses at once). Bad addresses count as unreachable.
+    """
+    failed: list[str] = []
+    selector = selectors.DefaultSelector()
+    try:
+        for name, address in peers.items():
+            try:
+                host, port = split_host_port(address, "peer address", default_host=None)
+                family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                      flags=socket.AI_NUMERICHOST)[0]
+                sock = socket.socket(family, kind, proto)
+            except (OSError, ValueError, ConfigError):
+                failed.append(name)
+                continue
+            sock.setblocking(False)
+            code = sock.connect_ex(sockaddr)
+            if code == 0:
+                sock.close()
+            elif code in (errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EAGAIN):
+                selector.register(sock, selectors.EVENT_WRITE, name)
+            else:
+                sock.close()
+                failed.append(name)
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        while selector.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for key, _ in selector.select(left):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                selector.unregister(sock)
+                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) != 0:
+                    failed.append(key.data)
+                sock.close()
+        for key in list(selector.get_map().values()):  # no answer in time
+            failed.append(key.data)
+            selector.unregister(key.fileobj)
+            key.fileobj.close()  # type: ignore[union-attr]
+    finally:
+        selector.close()
+    return sorted(failed)
 
 
 def call(method: Callable, request: Any, *, peer: str, name: str, timeout: timedelta | float,

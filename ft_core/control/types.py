@@ -24,6 +24,8 @@ class QuorumMember:
     data: str = ""
     commit_failures: int = 0
     last_quorum_id: int = 0
+    unreachable: tuple[str, ...] = ()  # peers of the previous quorum this member could not reach
+    commit_quorum_id: int = 0  # quorum in which it committed its latest step (0: none): its fork
 
     # Spelled out field by field: these run for every member of every quorum on both sides of the
     # wire, and reflection (dataclasses.fields) made them the control plane's hottest Python code.
@@ -31,7 +33,8 @@ class QuorumMember:
         return ft_pb2.QuorumMember(replica_id=self.replica_id, address=self.address,
                                    store_address=self.store_address, step=self.step, world_size=self.world_size,
                                    shrink_only=self.shrink_only, data=self.data,
-                                   commit_failures=self.commit_failures, last_quorum_id=self.last_quorum_id)
+                                   commit_failures=self.commit_failures, last_quorum_id=self.last_quorum_id,
+                                   unreachable=self.unreachable, commit_quorum_id=self.commit_quorum_id)
 
     @classmethod
     def from_pb(cls, msg: ft_pb2.QuorumMember) -> "QuorumMember":
@@ -40,7 +43,8 @@ class QuorumMember:
         member = object.__new__(cls)
         member.__dict__.update(replica_id=msg.replica_id, address=msg.address, store_address=msg.store_address,
                                step=msg.step, world_size=msg.world_size, shrink_only=msg.shrink_only, data=msg.data,
-                               commit_failures=msg.commit_failures, last_quorum_id=msg.last_quorum_id)
+                               commit_failures=msg.commit_failures, last_quorum_id=msg.last_quorum_id,
+                               unreachable=tuple(msg.unreachable), commit_quorum_id=msg.commit_quorum_id)
         return member
 
 

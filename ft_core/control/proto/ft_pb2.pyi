@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class QuorumMember(_message.Message):
-    __slots__ = ("replica_id", "address", "store_address", "step", "world_size", "shrink_only", "data", "commit_failures", "last_quorum_id")
+    __slots__ = ("replica_id", "address", "store_address", "step", "world_size", "shrink_only", "data", "commit_failures", "last_quorum_id", "unreachable", "commit_quorum_id")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,8 @@ class QuorumMember(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FAILURES_FIELD_NUMBER: _ClassVar[int]
     LAST_QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     store_address: str
@@ -26,7 +28,9 @@ class QuorumMember(_message.Message):
     data: str
     commit_failures: int
     last_quorum_id: int
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., store_address: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., shrink_only: _Optional[bool] = ..., data: _Optional[str] = ..., commit_failures: _Optional[int] = ..., last_quorum_id: _Optional[int] = ...) -> None: ...
+    unreachable: _containers.RepeatedScalarFieldContainer[str]
+    commit_quorum_id: int
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., store_address: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., shrink_only: _Optional[bool] = ..., data: _Optional[str] = ..., commit_failures: _Optional[int] = ..., last_quorum_id: _Optional[int] = ..., unreachable: _Optional[_Iterable[str]] = ..., commit_quorum_id: _Optional[int] = ...) -> None: ...
 
 class Quorum(_message.Message):
     __slots__ = ("quorum_id", "participants", "created_unix_ms")
@@ -51,30 +55,60 @@ class LighthouseQuorumResponse(_message.Message):
     def __init__(self, quorum: _Optional[_Union[Quorum, _Mapping]] = ...) -> None: ...
 
 class LighthouseHeartbeatRequest(_message.Message):
-    __slots__ = ("replica_id",)
+    __slots__ = ("replica_id", "leaving", "request_id", "quorum", "timeout_ms")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
-    def __init__(self, replica_id: _Optional[str] = ...) -> None: ...
+    leaving: bool
+    request_id: int
+    quorum: LighthouseQuorumRequest
+    timeout_ms: int
+    def __init__(self, replica_id: _Optional[str] = ..., leaving: _Optional[bool] = ..., request_id: _Optional[int] = ..., quorum: _Optional[_Union[LighthouseQuorumRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class PeerLost(_message.Message):
+    __slots__ = ("quorum_id", "replica_id", "reason")
+    QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    quorum_id: int
+    replica_id: str
+    reason: str
+    def __init__(self, quorum_id: _Optional[int] = ..., replica_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class LighthouseHeartbeatResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("peer_lost", "request_id", "quorum_response", "error_code", "error")
+    PEER_LOST_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    peer_lost: PeerLost
+    request_id: int
+    quorum_response: bytes
+    error_code: str
+    error: str
+    def __init__(self, peer_lost: _Optional[_Union[PeerLost, _Mapping]] = ..., request_id: _Optional[int] = ..., quorum_response: _Optional[bytes] = ..., error_code: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class ManagerQuorumRequest(_message.Message):
-    __slots__ = ("group_rank", "step", "checkpoint_metadata", "shrink_only", "init_sync", "commit_failures")
+    __slots__ = ("group_rank", "step", "checkpoint_metadata", "shrink_only", "init_sync", "commit_failures", "commit_quorum_id")
     GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_METADATA_FIELD_NUMBER: _ClassVar[int]
     SHRINK_ONLY_FIELD_NUMBER: _ClassVar[int]
     INIT_SYNC_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
     group_rank: int
     step: int
     checkpoint_metadata: str
     shrink_only: bool
     init_sync: bool
     commit_failures: int
-    def __init__(self, group_rank: _Optional[int] = ..., step: _Optional[int] = ..., checkpoint_metadata: _Optional[str] = ..., shrink_only: _Optional[bool] = ..., init_sync: _Optional[bool] = ..., commit_failures: _Optional[int] = ...) -> None: ...
+    commit_quorum_id: int
+    def __init__(self, group_rank: _Optional[int] = ..., step: _Optional[int] = ..., checkpoint_metadata: _Optional[str] = ..., shrink_only: _Optional[bool] = ..., init_sync: _Optional[bool] = ..., commit_failures: _Optional[int] = ..., commit_quorum_id: _Optional[int] = ...) -> None: ...
 
 class ManagerQuorumResponse(_message.Message):
     __slots__ = ("quorum_id", "recover_src_manager_address", "recover_src_replica_rank", "recover_dst_replica_ranks", "store_address", "max_step", "max_replica_rank", "max_world_size", "replica_rank", "replica_world_size", "heal", "commit_failures", "replica_ids")
@@ -119,20 +153,24 @@ class CheckpointMetadataResponse(_message.Message):
     def __init__(self, checkpoint_metadata: _Optional[str] = ...) -> None: ...
 
 class ShouldCommitRequest(_message.Message):
-    __slots__ = ("should_commit", "group_rank", "step")
+    __slots__ = ("should_commit", "group_rank", "step", "healed")
     SHOULD_COMMIT_FIELD_NUMBER: _ClassVar[int]
     GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    HEALED_FIELD_NUMBER: _ClassVar[int]
     should_commit: bool
     group_rank: int
     step: int
-    def __init__(self, should_commit: _Optional[bool] = ..., group_rank: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+    healed: bool
+    def __init__(self, should_commit: _Optional[bool] = ..., group_rank: _Optional[int] = ..., step: _Optional[int] = ..., healed: _Optional[bool] = ...) -> None: ...
 
 class ShouldCommitResponse(_message.Message):
-    __slots__ = ("should_commit",)
+    __slots__ = ("should_commit", "all_healed")
     SHOULD_COMMIT_FIELD_NUMBER: _ClassVar[int]
+    ALL_HEALED_FIELD_NUMBER: _ClassVar[int]
     should_commit: bool
-    def __init__(self, should_commit: _Optional[bool] = ...) -> None: ...
+    all_healed: bool
+    def __init__(self, should_commit: _Optional[bool] = ..., all_healed: _Optional[bool] = ...) -> None: ...
 
 class KillRequest(_message.Message):
     __slots__ = ("msg",)
