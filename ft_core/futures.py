@@ -4,6 +4,13 @@
 FTTimeoutError when the deadline passes first. All deadlines share one daemon thread ("ft-timer")
 that sleeps on a heap of deadlines, so arming a timeout costs a heap push, not a thread;
 `stop_timer_if_idle()` ends that thread (Manager.shutdown calls it).
+
+CUDA: every future made here is created with the CUDA devices its value lives on (given, or taken
+from the input future or the value), so completing it records an event on the completing stream and
+`wait()` makes the waiter's current stream wait for that event; continuations run on a stream that
+waits for the input's events (torch's `ivalue::Future` semantics). A collective's AVG division and
+anything chained after it is therefore ordered after the collective for every reader, with no
+`torch.cuda.synchronize()`. On CPU the futures are plain (devices=[]), as before.
 """
 
 from __future__ import annotations
@@ -12,15 +19,16 @@ import concurrent.futures
 import heapq
 import itertools
 import logging
+import pickle
 import threading
 import time
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Iterator, TypeVar, Union
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar, Union
 
 import torch
 
-from ft_core.errors import FTTimeoutError
+from ft_core.errors import FTError, FTTimeoutError
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -124,23 +132,149 @@ def stop_timer_if_idle(timeout: timedelta | float = 1.0) -> bool:
     return _TIMER.stop_if_idle(_seconds(timeout))
 
 
+# ---------------------------------------------------------------- devices
+
+# The devices a future was created with, on the future object: set by device_future here and by the
+# process groups on their ops' futures, so a continuation made before the op completes knows them.
+_DEVICES_ATTR = "_ft_devices"
+
+
+def devices_of(value: Any) -> list[torch.device]:
+    """The CUDA devices of the tensors in `value` (a tensor, or lists/tuples/dicts of them), in order."""
+    found: set[torch.device] = set()
+    _collect_devices(value, found, 0)
+    return sorted(found, key=lambda d: d.index if d.index is not None else -1)
+
+
+def _collect_devices(value: Any, found: set[torch.device], depth: int) -> None:
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cuda":
+            found.add(value.device)
+        return
+    if depth >= 4:  # values here are tensors or short lists of them; never walk a large structure
+        return
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            _collect_devices(item, found, depth + 1)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _collect_devices(item, found, depth + 1)
+
+
+def device_future(devices: Iterable[torch.device] = ()) -> torch.futures.Future:
+    """A torch Future for a value on `devices` (CUDA): completing it records an event on the completing
+    thread's current stream of each device the value uses, and `wait()` (or a callback) orders the
+    waiter's stream after it. With no devices: a plain CPU future."""
+    devs = sorted(set(devices), key=lambda d: d.index if d.index is not None else -1)
+    fut: torch.futures.Future = torch.futures.Future(devices=devs) if devs else torch.futures.Future()
+    setattr(fut, _DEVICES_ATTR, tuple(devs))
+    return fut
+
+
+def future_devices(fut: AnyFuture) -> list[torch.device]:
+    """The CUDA devices of `fut`'s value, as far as known now: those it was made with here, else (for a
+    completed future) its value's. Empty for CPU values and for foreign futures still pending."""
+    known = getattr(fut, _DEVICES_ATTR, None)
+    if known is not None:
+        return list(known)
+    try:
+        if isinstance(fut, concurrent.futures.Future):
+            return devices_of(fut.result(timeout=0)) if fut.done() and not fut.cancelled() else []
+        return devices_of(fut.value()) if fut.done() else []
+    except Exception:  # noqa: BLE001 - a failed future carries no tensors
+        return []
+
+
+def _union(*groups: Sequence[torch.device]) -> list[torch.device]:
+    return sorted({d for group in groups for d in group}, key=lambda d: d.index if d.index is not None else -1)
+
+
+def _finish(out: torch.futures.Future, value: Any) -> None:
+    """Complete `out` with `value` on the current stream; a value on a device `out` was not made for
+    becomes a clear error (torch would fail the future with a terser one)."""
+    devs = getattr(out, _DEVICES_ATTR, ())
+    if devs:
+        extra = [d for d in devices_of(value) if d not in devs]
+        if extra:
+            _fail(out, FTError(f"a future made for {list(devs)} got a value on {extra}; keep the tensors of "
+                               "one collective on the device it was issued from (torch.cuda.set_device)"))
+            return
+    out.set_result(value)
+
+
+def _fail(out: torch.futures.Future, exc: BaseException) -> None:
+    """Fail `out` with `exc`. A device future extracts tensors from its value by pickling, so an
+    exception that cannot be pickled is carried as an FTError with the same message."""
+    if not isinstance(exc, Exception):
+        exc = FTError(f"{type(exc).__name__}: {exc}")
+    elif getattr(out, _DEVICES_ATTR, ()):
+        try:
+            pickle.dumps(exc)
+        except Exception:  # noqa: BLE001 - any pickling failure: carry the message instead
+            exc = FTError(f"{type(exc).__name__}: {exc}")
+    out.set_exception(exc)
+
+
+def current_device_initializer() -> Callable[[], None]:
+    """An initializer for a ThreadPoolExecutor (or any thread): its threads use the CUDA device that is
+    current on the calling thread now. A no-op when this process has not initialized CUDA."""
+    index = _current_cuda_index()
+    if index is None:
+        return _no_device
+
+    def set_current_device() -> None:
+        torch.cuda.set_device(index)
+
+    return set_current_device
+
+
+def with_current_device(fn: Callable[..., T]) -> Callable[..., T]:
+    """`fn`, run on the CUDA device current on the calling thread now, whichever thread runs it later
+    (the device is set for that call and restored after). `fn` itself when CUDA is not in use."""
+    index = _current_cuda_index()
+    if index is None:
+        return fn
+
+    def on_device(*args: Any, **kwargs: Any) -> T:
+        with torch.cuda.device(index):
+            return fn(*args, **kwargs)
+
+    return on_device
+
+
+def _current_cuda_index() -> int | None:
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.current_device()
+
+
+def _no_device() -> None:
+    return None
+
+
+# ---------------------------------------------------------------- helpers
+
+
 def _add_done(fut: AnyFuture, callback: Callable[[AnyFuture], None]) -> None:
     fut.add_done_callback(callback)
 
 
 def _outcome(fut: AnyFuture) -> tuple[bool, Any]:
-    """(ok, value or exception) of a completed future of either kind."""
+    """(ok, value or exception) of a completed future of either kind. For a torch Future this is
+    `wait()`, which also orders the current CUDA stream after the value's events."""
     try:
         if isinstance(fut, concurrent.futures.Future):
             return True, fut.result(timeout=0)
-        return True, fut.value()
+        return True, fut.wait()
     except BaseException as exc:  # noqa: BLE001 - the exception is the outcome we carry on
         return False, exc
 
 
-def future_timeout(fut: AnyFuture, timeout: timedelta | float, what: str = "operation") -> torch.futures.Future:
-    """A torch Future with `fut`'s outcome, or FTTimeoutError if `timeout` passes first."""
-    out: torch.futures.Future = torch.futures.Future()
+def future_timeout(fut: AnyFuture, timeout: timedelta | float, what: str = "operation",
+                   devices: Sequence[torch.device] | None = None) -> torch.futures.Future:
+    """A torch Future with `fut`'s outcome, or FTTimeoutError if `timeout` passes first.
+    devices: the CUDA devices of the value (default: `fut`'s, see future_devices)."""
+    out = device_future(future_devices(fut) if devices is None else devices)
     lock = threading.Lock()
     done = [False]
     seconds = _seconds(timeout)
@@ -151,9 +285,9 @@ def future_timeout(fut: AnyFuture, timeout: timedelta | float, what: str = "oper
                 return
             done[0] = True
         if ok:
-            out.set_result(value)
+            _finish(out, value)
         else:
-            out.set_exception(value)
+            _fail(out, value)
 
     def expire() -> None:
         finish(False, FTTimeoutError(f"{what} did not complete within {seconds:.3g}s (timeout); "
@@ -170,7 +304,8 @@ def future_timeout(fut: AnyFuture, timeout: timedelta | float, what: str = "oper
 
 
 def future_wait(fut: AnyFuture, timeout: timedelta | float, what: str = "operation") -> Any:
-    """Block until `fut` completes and return its value; FTTimeoutError after `timeout`."""
+    """Block until `fut` completes and return its value (the current CUDA stream ordered after it);
+    FTTimeoutError after `timeout`."""
     event = threading.Event()
     _add_done(fut, lambda _f: event.set())
     seconds = _seconds(timeout)
@@ -182,51 +317,62 @@ def future_wait(fut: AnyFuture, timeout: timedelta | float, what: str = "operati
     return value
 
 
-def completed_future(value: Any) -> torch.futures.Future:
-    """A torch Future that is already done with `value`."""
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(value)
+def completed_future(value: Any, devices: Sequence[torch.device] | None = None) -> torch.futures.Future:
+    """A torch Future that is already done with `value`, ordered after the current stream's work so far
+    (devices: default, the value's CUDA devices)."""
+    fut = device_future(devices_of(value) if devices is None else devices)
+    _finish(fut, value)
     return fut
 
 
 def failed_future(exc: BaseException) -> torch.futures.Future:
     """A torch Future that is already failed with `exc`."""
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_exception(exc)
+    fut = device_future()
+    _fail(fut, exc)
     return fut
 
 
-def chain(fut: AnyFuture, fn: Callable[[Any], Any]) -> torch.futures.Future:
-    """Eager continuation: a future of `fn(value)` run when `fut` completes (errors propagate)."""
-    out: torch.futures.Future = torch.futures.Future()
+def chain(fut: AnyFuture, fn: Callable[[Any], Any], devices: Sequence[torch.device] | None = None) -> torch.futures.Future:
+    """Eager continuation: a future of `fn(value)` run when `fut` completes (errors propagate).
+    On CUDA `fn` runs on a stream ordered after `fut`'s value, and the result is ordered after `fn`'s
+    kernels for whoever waits on it. devices: of the result (default: `fut`'s, see future_devices)."""
+    out = device_future(future_devices(fut) if devices is None else devices)
 
     def on_done(f: AnyFuture) -> None:
         ok, value = _outcome(f)
         if not ok:
-            out.set_exception(value)
+            _fail(out, value)
             return
         try:
             result = fn(value)
         except BaseException as exc:  # noqa: BLE001 - carried into the future
-            out.set_exception(exc)
+            _fail(out, exc)
             return
-        out.set_result(result)
+        _finish(out, result)
 
     _add_done(fut, on_done)
     return out
 
 
-def recover(fut: AnyFuture, default: T, on_error: Callable[[BaseException], None]) -> torch.futures.Future:
-    """A future that never fails: `fut`'s value, or `default` after calling on_error(exception)."""
-    out: torch.futures.Future = torch.futures.Future()
+def recover(fut: AnyFuture, default: T, on_error: Callable[[BaseException], None],
+            devices: Sequence[torch.device] | None = None) -> torch.futures.Future:
+    """A future that never fails: `fut`'s value, or `default` after calling on_error(exception).
+    devices: of the value (default: `fut`'s and `default`'s CUDA devices)."""
+    out = device_future(_union(future_devices(fut), devices_of(default)) if devices is None else devices)
 
     def on_done(f: AnyFuture) -> None:
         ok, value = _outcome(f)
+        devs = getattr(out, _DEVICES_ATTR, ())
+        extra = [d for d in devices_of(value) if d not in devs] if ok and devs else []
+        if extra:
+            ok, value = False, FTError(f"a future made for {list(devs)} got a value on {extra}; keep the "
+                                       "tensors of one collective on the device it was issued from "
+                                       "(torch.cuda.set_device)")
         if not ok:
             try:
                 on_error(value)
             finally:
-                out.set_result(default)
+                _finish(out, default)
             return
         out.set_result(value)
 

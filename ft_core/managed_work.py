@@ -4,6 +4,10 @@ The collective itself completes eagerly (its future is chained on the backend's 
 thread and never fails: errors were already recorded with the Manager). User continuations
 added through `get_future().then(...)` are stored and run lazily in `wait()`, on the stream
 that issued the work, so the CPU never blocks on them.
+
+CUDA: the Manager's future is device-aware (ft_core.futures), so `wait()` first makes the issuing
+stream wait for the collective and its AVG division, runs the continuations on that stream, then
+orders the caller's current stream after them: the result can be read with no synchronize().
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ class ManagedWork(dist.distributed_c10d.Work):
         self._lock = threading.Lock()
         self._done = False
         self._value: Any = None
-        self._stream = None
+        self._stream = None  # the stream current when the work was issued (CUDA tensors only)
+        self._event: Any = None  # recorded on that stream once the chain has run there
         if isinstance(default, torch.Tensor) and default.is_cuda:
             self._stream = torch.cuda.current_stream(default.device)
 
@@ -44,21 +49,34 @@ class ManagedWork(dist.distributed_c10d.Work):
 
     def _run(self) -> Any:
         with self._lock:
-            if self._done:
-                return self._value
-            value = self._fut.wait()  # never fails; bounded by the Manager's timeout
-            if self._callbacks:
-                ctx = torch.cuda.stream(self._stream) if self._stream is not None else _NullContext()
-                with ctx:
-                    for callback in self._callbacks:
-                        try:
-                            value = callback(completed_future(value))
-                        except Exception as exc:  # recorded for the step; the loop keeps going
-                            self._manager.report_error(exc)
-                            value = self._default
-            self._value = value
-            self._done = True
-            return value
+            if not self._done:
+                self._value = self._complete()
+                self._done = True
+            value = self._value
+        if self._event is not None:  # every waiter's stream, on every wait, after the issuing stream's chain
+            current = torch.cuda.current_stream(self._stream.device)
+            if current != self._stream:
+                current.wait_event(self._event)
+        return value
+
+    def _complete(self) -> Any:
+        if self._stream is None:
+            return self._run_callbacks(self._fut.wait())  # never fails; bounded by the Manager's timeout
+        with torch.cuda.stream(self._stream):
+            value = self._fut.wait()  # the issuing stream now waits for the collective and its division
+            value = self._run_callbacks(value)
+            self._event = torch.cuda.Event()
+            self._event.record(self._stream)
+        return value
+
+    def _run_callbacks(self, value: Any) -> Any:
+        for callback in self._callbacks:
+            try:
+                value = callback(completed_future(value))
+            except Exception as exc:  # recorded for the step; the loop keeps going
+                self._manager.report_error(exc)
+                value = self._default
+        return value
 
     def wait(self, timeout: Any = None) -> bool:
         self._run()
@@ -109,10 +127,3 @@ class ManagedFuture(torch.futures.Future):
     def done(self) -> bool:
         return self._work.is_completed()
 
-
-class _NullContext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

@@ -17,7 +17,6 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -28,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from ft_core import futures as ft_futures
+from ft_core import metrics
 from ft_core import net
 from ft_core import step_rules as rules
 from ft_core.checkpointing import HTTPTransport
@@ -45,6 +45,7 @@ from ft_core.managed_work import ManagedWork
 from ft_core.manager_config import ManagerConfig, WorldSizeMode, env_int, resolve_config
 from ft_core.control.recovery import QuorumResult
 from ft_core.step_rules import participation
+from ft_core.stores import own_store
 
 __all__ = ["Manager", "ManagerConfig", "WorldSizeMode", "participation", "resolve_config"]
 
@@ -55,21 +56,6 @@ STORE_PREFIX = "ft_manager"
 _MARGIN_S = 5.0  # on top of a server-side deadline, for the hop back
 _SHUTDOWN_JOIN_S = 5.0  # longest shutdown() waits for one thread it started
 
-
-def own_store(host: str, timeout: timedelta, bind: str | None = None) -> dist.TCPStore:
-    """A TCPStore this process serves, reached at `host` and listening on `bind` only (default `host`;
-    torch's own listener would take every interface). Other groups rendezvous in it."""
-    bind = host if bind is None else bind
-    sock = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind((bind.strip("[]"), 0))
-        sock.listen(1024)
-    except OSError:
-        sock.close()
-        raise
-    port = sock.getsockname()[1]
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout,
-                         master_listen_fd=sock.detach())  # the store owns the socket from here on
 
 class Manager:
     """Per-step fault tolerance for one rank of one replica group; see the module docstring."""
@@ -106,6 +92,7 @@ class Manager:
         self._healing = False
         self._heal: FetchedHeal | None = None  # this step's fetched state: loaded at commit, adopted if committed
         self._voted = False  # this step's should_commit() has run: no reduction may follow
+        self._group_healed = False  # every rank of the group loaded this step's heal (from the vote)
         self._reductions = 0  # cross-group reductions issued this step (fail-closed check)
         self._buffer_sources: dict[int, Callable[[], list[torch.Tensor]]] = {}
         self._round: rules.QuorumActions | None = None  # this step's role, from the quorum
@@ -119,12 +106,15 @@ class Manager:
 
         self._setup_store_and_server(cfg, store_addr, store_port)
         self.config = cfg = dataclasses.replace(cfg, replica_id=self._replica_id)
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"ft-quorum[{cfg.replica_id}/{cfg.group_rank}]")
+        self._executor = concurrent.futures.ThreadPoolExecutor(  # on this thread's CUDA device (NCCL binds it)
+            max_workers=1, thread_name_prefix=f"ft-quorum[{cfg.replica_id}/{cfg.group_rank}]",
+            initializer=ft_futures.current_device_initializer())
         if checkpoint_transport is None:
             checkpoint_transport = HTTPTransport(timeout=cfg.timeout, num_chunks=0, token=cfg.token,
                                                  hostname=cfg.hostname, bind=net.format_host_port(cfg.bind_host, 0))
         self._transport = checkpoint_transport
+        if cfg.group_rank == 0:  # per-group Prometheus metrics when FT_METRICS_PORT is set (one server a process)
+            metrics.start_from_settings(cfg.bind_host)
         logger.info("%s manager started: %s", self._prefix(), cfg)
 
     # ----------------------------------------------------------------- setup
@@ -185,10 +175,11 @@ class Manager:
     def allow_state_dict_read(self) -> None:
         self._state_lock.release()
 
-    def _manager_state_dict(self) -> dict[str, Any]:
+    def healing_state(self) -> dict[str, Any]:
+        """Everything a healing group receives: {"user": registered state dicts, "ft": progress}."""
         with self._state_lock:
             user = {key: save() for key, (_, save) in self._state_fns.items()}
-            return {"user": user, "ft": self.state_dict()}
+            return {"user": user, "ft": {**self.state_dict(), "commit_quorum_id": self._state.commit_quorum_id}}
 
     def state_dict(self) -> dict[str, int]:
         """The Manager's own progress; checkpoint it with the model."""
@@ -206,7 +197,7 @@ class Manager:
             if first:
                 self._errored = e
         if first:
-            logger.warning("%s error recorded, this step will not commit: %s", self._prefix(), e)
+            logger.info("%s error recorded, this step will not commit: %s", self._prefix(), e)
             self._emit("error", message=f"{type(e).__name__}: {e}")
 
     def errored(self) -> Exception | None:
@@ -232,7 +223,7 @@ class Manager:
         if not fut.done():
             fut.add_done_callback(lambda _f: self._on_peer_lost(quorum_id, replica_id))
             return
-        if self._state.quorum_id != quorum_id:
+        if self._state.quorum_id != quorum_id or self._voted:  # voted: nothing of this step is left in flight
             return
         self.report_error(FTError(f"{self._prefix()} replica group {replica_id} of quorum {quorum_id} was lost "
                                   f"(the lighthouse dropped it); this step's collectives are aborted"))
@@ -304,7 +295,7 @@ class Manager:
         cfg = self.config
         args = dict(group_rank=cfg.group_rank, step=self._state.step, checkpoint_metadata=self._transport.metadata(),
                     shrink_only=shrink_only, timeout=timedelta(seconds=timeout_s), init_sync=cfg.init_sync,
-                    commit_failures=self._state.commit_failures)
+                    commit_failures=self._state.commit_failures, commit_quorum_id=self._state.commit_quorum_id)
         if self._server is not None:
             return self._server.quorum_local(**args)
         return self._client.quorum(**args)
@@ -339,7 +330,7 @@ class Manager:
             self._state = rules.on_configured(self._state, result.quorum_id)
         if plan.send_to:
             try:
-                self._transport.send_checkpoint(list(plan.send_to), result.max_step, self._manager_state_dict(),
+                self._transport.send_checkpoint(list(plan.send_to), result.max_step, self.healing_state(),
                                                 cfg.timeout)
             except Exception as exc:
                 self.report_error(exc)
@@ -363,7 +354,7 @@ class Manager:
             self.report_error(exc)
             return
         logger.info("%s healed from replica rank %s (%s) to step %d: %d bytes in %.3fs (%.1f MB/s), load %.3fs; "
-                    "adopted if this step commits", self._prefix(), heal.source_replica_rank, heal.source,
+                    "adopted if this step commits", self._prefix(), heal.source_replica_rank, net.describe_route(heal.source),
                     heal.target.step, heal.nbytes, heal.transfer_seconds, heal.bandwidth_mb_s, heal.load_seconds)
         self._emit("heal", source_replica_rank=heal.source_replica_rank, source=heal.source,
                    healed_step=heal.target.step, seconds=heal.transfer_seconds + heal.load_seconds,
@@ -458,7 +449,7 @@ class Manager:
         self._state, actions = rules.on_vote(self._state, decision, local=local, errored=errored, num_participants=n,
                                              max_retries=self.config.max_retries,
                                              healed=self._heal.target if self._heal is not None and heal_loaded
-                                             else None)
+                                             else None, group_healed=self._group_healed)
         if not actions.committed:
             if actions.break_pg:
                 self._break_pg()
@@ -473,11 +464,17 @@ class Manager:
         return decision
 
     def _vote(self, local: bool, timeout: timedelta | float) -> bool:
-        cfg = self.config
+        """The group's commit barrier; also learns whether every rank loaded this step's heal."""
+        cfg, healed = self.config, self._heal is not None and self._heal.loaded
+        self._group_healed = False
         try:
             if self._server is not None:
-                return self._server.should_commit_local(cfg.group_rank, self._state.step, local, timeout)
-            return self._client.should_commit(cfg.group_rank, self._state.step, local, timeout)
+                decision, self._group_healed = self._server.commit_round_local(cfg.group_rank, self._state.step,
+                                                                               local, healed, timeout)
+            else:
+                decision, self._group_healed = self._client.commit_round(cfg.group_rank, self._state.step, local,
+                                                                         healed, timeout)
+            return decision
         except FTError as exc:
             self.report_error(exc)
             return False

@@ -46,6 +46,7 @@ class StepState:
     batches_committed: int = 0
     commit_failures: int = 0
     quorum_id: int = -1
+    commit_quorum_id: int = 0  # the quorum in which `step` was committed (0: none): which fork it is on
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class HealTarget:
 
     step: int
     batches_committed: int
+    commit_quorum_id: int = 0
 
 
 class Contribution(enum.Enum):
@@ -111,17 +113,17 @@ def participation(result: QuorumResult, *, use_async_quorum: bool, allow_heal: b
 
 def vote_world_size(result: QuorumResult, participants: int, *, init_sync: bool, mode: WorldSizeMode,
                     min_replica_size: int, allow_heal: bool) -> int:
-    """Groups that end this step holding the committed state, compared with min_replica_size in the vote.
+    """Groups that end this step in sync, compared with min_replica_size in the commit vote.
 
-    With healing allowed that is every group of the quorum: the participants, and the healers, which
-    load the source's state at commit and apply the same averaged gradient (at step 0 with init_sync
-    only the first group contributes and every other one heals from it). A healer's own vote also
-    requires its load to have succeeded, so a failed heal is never adopted; it heals again next step.
-    Without healing only the participants end in sync.
+    The participants: a healer's load may still fail, and the vote is per group, so a healer is never
+    counted (else a lone group could commit step after step beside a group that never heals). At step
+    0 with init_sync only the first group contributes, but every group at max_step ends the step in
+    sync, so all of them count (else nobody could ever commit the first step). A heal that cannot
+    commit for lack of participants still completes: see on_vote's `group_healed`.
     """
     if not allow_heal:
         return participants
-    synced = result.replica_world_size
+    synced = result.max_world_size if init_sync and result.max_step == 0 else participants
     if mode == WorldSizeMode.FIXED_WITH_SPARES:
         synced = min(synced, min_replica_size)
     return max(participants, synced)
@@ -164,12 +166,14 @@ def heal_target(ft_state: Any, expected_step: int, source: str) -> HealTarget:
     if ft_state["step"] != expected_step:
         raise CheckpointError(f"checkpoint from {source} is for step {ft_state['step']}, expected {expected_step}; "
                               f"will retry at the next quorum")
-    return HealTarget(step=ft_state["step"], batches_committed=ft_state["batches_committed"])
+    return HealTarget(step=ft_state["step"], batches_committed=ft_state["batches_committed"],
+                      commit_quorum_id=int(ft_state.get("commit_quorum_id", 0)))
 
 
 def restore(state: StepState, saved: dict[str, Any]) -> StepState:
     """Progress loaded from a durable checkpoint (Manager.load_state_dict)."""
-    return replace(state, step=int(saved["step"]), batches_committed=int(saved["batches_committed"]))
+    return replace(state, step=int(saved["step"]), batches_committed=int(saved["batches_committed"]),
+                   commit_quorum_id=int(saved.get("commit_quorum_id", 0)))
 
 
 def is_participating(participating_rank: int | None, healing: bool, use_async_quorum: bool) -> bool:
@@ -222,15 +226,25 @@ def local_vote(vote_world_size: int, min_replica_size: int, errored: bool, heal_
 
 
 def on_vote(state: StepState, decision: bool, *, local: bool, errored: bool, num_participants: int,
-            max_retries: int | None, healed: HealTarget | None = None) -> tuple[StepState, CommitActions]:
+            max_retries: int | None, healed: HealTarget | None = None,
+            group_healed: bool = False) -> tuple[StepState, CommitActions]:
     """Advance on a committed step (from the healed step when this step healed the group); count a
     failure otherwise (and break the group unless the step failed merely for too few participants,
-    where every peer skipped the same collectives). A failed step keeps the pre-heal progress."""
+    where every peer skipped the same collectives).
+
+    A step that did not commit keeps the pre-heal progress, except when every rank of the group
+    loaded the healed state (`group_healed`, the AND of the ranks' bits from the commit barrier):
+    the group then holds exactly the source's state of the healed step, so it adopts that step
+    (without the one on top). That is how a heal completes when too few groups participate to
+    commit the heal step (min_replica_size), without ever counting the healer as a participant."""
+    if not decision and healed is not None and group_healed:
+        state = replace(state, step=healed.step, batches_committed=healed.batches_committed,
+                        commit_quorum_id=healed.commit_quorum_id)
     if decision:
         base = state if healed is None else replace(state, step=healed.step,
                                                     batches_committed=healed.batches_committed)
         new = replace(base, step=base.step + 1, batches_committed=base.batches_committed + num_participants,
-                      commit_failures=0)
+                      commit_failures=0, commit_quorum_id=state.quorum_id)
         return new, CommitActions(committed=True, break_pg=False, give_up=False)
     failures = state.commit_failures + 1
     new = replace(state, commit_failures=failures)

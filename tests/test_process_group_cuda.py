@@ -13,12 +13,14 @@ from torch._C._distributed_c10d import ReduceOp, TCPStore
 
 from ft_core.errors import FTTimeoutError
 from ft_core.process_groups import ProcessGroupBabyNCCL, ProcessGroupNCCL
+from ft_core.process_groups.child import nccl_version, supports_nonblocking_abort
 
 CUDA = torch.cuda.is_available()
 GPUS = torch.cuda.device_count() if CUDA else 0
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 needs_2_gpus = pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs (NCCL allows one rank per device)")
 GROUP_TYPES = [ProcessGroupNCCL, ProcessGroupBabyNCCL]
+pytestmark = pytest.mark.cuda
 
 
 @pytest.fixture
@@ -92,6 +94,8 @@ def test_two_ranks_reduce_gather_broadcast_and_reconfigure(cls, store):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("cls", GROUP_TYPES, ids=lambda c: c.__name__)
 def test_hung_peer_is_an_error_within_timeout_and_the_process_survives(cls, store):
+    if cls is ProcessGroupNCCL and not supports_nonblocking_abort(nccl_version()):
+        pytest.skip(f"NCCL {nccl_version()} < 2.25: a hung op ends the process (blocking fallback), by design")
     timeout = 3.0
     groups = [cls(timeout=timedelta(seconds=timeout)) for _ in range(2)]
     try:
@@ -118,3 +122,29 @@ def test_hung_peer_is_an_error_within_timeout_and_the_process_survives(cls, stor
     finally:
         for group in groups:
             group.shutdown()
+
+
+@needs_cuda
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cls", GROUP_TYPES, ids=lambda c: c.__name__)
+def test_op_future_orders_a_reader_on_another_stream_without_synchronize(cls, store):
+    """The op's future is made for its tensors' device: waiting on it from another stream orders that
+    stream after the op (and the op after the producer's kernels), with no synchronize()."""
+    torch.cuda.set_device(0)
+    group = cls(timeout=timedelta(seconds=20))
+    try:
+        group.configure(addr(store, f"order-{cls.__name__}"), "a", 0, 1, quorum_id=1)
+        producer, reader = torch.cuda.Stream(), torch.cuda.Stream()
+        t = torch.zeros(1 << 24, device="cuda")
+        torch.cuda.synchronize()
+        with torch.cuda.stream(producer):
+            torch.cuda._sleep(200_000_000)  # the producer lags: an unordered read sees zeros
+            t.fill_(3.0)
+            fut = group.allreduce([t], ReduceOp.SUM).get_future()
+        with torch.cuda.stream(reader):
+            fut.wait()
+            wrong = int((t != 3.0).sum().item())  # waits for the reader stream only
+        assert wrong == 0
+        assert group.errored() is None
+    finally:
+        group.shutdown()

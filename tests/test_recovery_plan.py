@@ -159,3 +159,17 @@ def test_a_quorum_of_groups_with_different_numbers_of_ranks_is_rejected_naming_t
                QuorumMember(replica_id="b", address="m1", store_address="s1", step=3, world_size=1))
     with pytest.raises(QuorumError, match=r"a has 2, b has 1"):
         compute_recovery_plan("a", 0, Quorum(quorum_id=4, participants=members), init_sync=True)
+
+
+def test_a_group_at_max_step_on_an_older_fork_heals_from_the_latest_one() -> None:
+    """Issue 13 (found by the chaos matrix): g0 committed step 146 alone in quorum 38 (its peers' votes
+    failed); g1 and g2 later committed their own step 146 in quorum 43. Same step, different state:
+    the latest fork is up to date, g0 heals like a group behind."""
+    members = (QuorumMember(replica_id="g0", address="m0", store_address="s0", step=146, commit_quorum_id=38),
+               QuorumMember(replica_id="g1", address="m1", store_address="s1", step=146, commit_quorum_id=43),
+               QuorumMember(replica_id="g2", address="m2", store_address="s2", step=146, commit_quorum_id=43))
+    quorum = Quorum(quorum_id=44, participants=members)
+    g0, g1, g2 = (compute_recovery_plan(rid, 0, quorum, init_sync=True) for rid in ("g0", "g1", "g2"))
+    assert g0.heal and g0.max_replica_rank is None and g0.recover_src_manager_address in ("m1", "m2")
+    assert not g1.heal and not g2.heal and g1.max_world_size == 2
+    assert sorted(g1.recover_dst_replica_ranks + g2.recover_dst_replica_ranks) == [0]

@@ -27,7 +27,7 @@ from ft_core.checkpointing.http_transport import fetch
 from ft_core.errors import AuthError, CheckpointError, ConfigError
 from ft_core.control.lighthouse import DEFAULT_BIND, DEFAULT_HTTP_BIND, LighthouseServer
 from ft_core.control.lighthouse_client import LighthouseClient
-from ft_core.manager import own_store
+from ft_core.stores import own_store
 from ft_core.control.manager_server import ManagerClient, ManagerServer
 from ft_core.control.proto import ft_pb2, ft_pb2_grpc
 from ft_core.tools.status import main as status_main

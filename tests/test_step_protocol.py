@@ -101,7 +101,6 @@ def test_max_with_a_healer_beside_the_participants_is_the_participants_max(proce
     for r in rows:
         if "extreme" in r:
             assert r["extreme"] == -5.0, f"MAX of [-5, -7] (+ a healer) gave {r['extreme']}: {r}"
-    assert any(r.get("committed") for r in healing_steps), "the heal step did not commit"
     assert_identical(rows)
 
 

@@ -42,12 +42,11 @@ QUORUM_CASES = [
      actions(0, 2, 2, send_to=(2,))),
     ("source without healing allowed: sends nothing", AT_Q1, result(send_to=(2,)), False, True, True, D, 1,
      actions(0, 2, 2)),
-    ("healer in async mode: fetches, does not participate, counts in the vote (it ends the step in sync)",
-     StepState(step=2, quorum_id=1),
+    ("healer in async mode: fetches, does not participate, is not counted in the vote", StepState(step=2, quorum_id=1),
      result(replica_rank=1, world=3, max_replica_rank=None, max_world=2, heal=True), True, True, True, D, 1,
-     actions(None, 2, 3, heal=True)),
-    ("min_replica_size 2, one participant + one healer: the heal step can commit (no livelock)", AT_Q1,
-     result(world=2, max_world=1, send_to=(1,)), True, True, True, D, 2, actions(0, 1, 2, send_to=(1,))),
+     actions(None, 2, 2, heal=True)),
+    ("min_replica_size 2, one participant + one healer: the source alone cannot commit", AT_Q1,
+     result(world=2, max_world=1, send_to=(1,)), True, True, True, D, 2, actions(0, 1, 1, send_to=(1,))),
     ("healer in sync mode: loads first, participates", StepState(step=2, quorum_id=1),
      result(replica_rank=1, world=3, max_replica_rank=None, max_world=2, heal=True), True, False, True, D, 1,
      actions(1, 3, 3, heal=True)),
@@ -82,7 +81,8 @@ VOTE_CASES = [
     # name, decision, local, errored, n, max_retries, state before, (state after, actions)
     ("committed: step and batches advance, failures reset", True, True, False, 2, None,
      StepState(step=5, batches_committed=10, commit_failures=2, quorum_id=3),
-     (StepState(step=6, batches_committed=12, commit_failures=0, quorum_id=3), CommitActions(True, False, False))),
+     (StepState(step=6, batches_committed=12, commit_failures=0, quorum_id=3, commit_quorum_id=3),
+      CommitActions(True, False, False))),
     ("too few participants: a failure, the group stays (every peer skipped alike)", False, False, False, 1, None,
      AT_Q1, (StepState(step=5, batches_committed=10, commit_failures=1, quorum_id=1), CommitActions(False, False, False))),
     ("local error: a failure and the group is broken", False, False, True, 2, None,
@@ -128,28 +128,30 @@ def test_group_quorum_id_transitions():
 HEALED = rules.HealTarget(step=9, batches_committed=18)
 BEHIND = StepState(step=2, batches_committed=4, commit_failures=1, quorum_id=7)
 
-# One row per scenario of issue 13: (name, decision, local, errored, healed, expected state after)
+# One row per scenario of issue 13: (name, decision, local, errored, healed, group_healed, expected state after)
 HEAL_CASES = [
-    ("heal OK: the healed step is adopted at commit, plus the step committed on top", True, True, False, HEALED,
-     StepState(step=10, batches_committed=19, commit_failures=0, quorum_id=7)),  # 1 participant
-    ("load failed: the rank votes no, keeps its pre-heal step and heals again", False, False, True, None,
+    ("heal OK: the healed step is adopted at commit, plus the step committed on top", True, True, False, HEALED, True,
+     StepState(step=10, batches_committed=19, commit_failures=0, quorum_id=7, commit_quorum_id=7)),  # 1 participant
+    ("load failed: the rank votes no, keeps its pre-heal step and heals again", False, False, True, None, False,
      StepState(step=2, batches_committed=4, commit_failures=2, quorum_id=7)),
-    ("skipped step (no should_commit): nothing is adopted; the next quorum heals again", None, None, None, None,
+    ("skipped step (no should_commit): nothing is adopted; the next quorum heals again", None, None, None, None, None,
      BEHIND),
-    ("partial heal in a 2-rank group: the loaded rank still keeps its step when its peer voted no", False, True,
-     False, HEALED, StepState(step=2, batches_committed=4, commit_failures=2, quorum_id=7)),
-    ("heal OK but too few participants: no commit, pre-heal step kept", False, False, False, HEALED,
-     StepState(step=2, batches_committed=4, commit_failures=2, quorum_id=7)),
+    ("partial heal in a 2-rank group: the loaded rank keeps its step, its peer's load failed", False, True,
+     False, HEALED, False, StepState(step=2, batches_committed=4, commit_failures=2, quorum_id=7)),
+    ("heal loaded on every rank but too few participants to commit: the healed step is adopted, no step on top",
+     False, False, False, HEALED, True, StepState(step=9, batches_committed=18, commit_failures=2, quorum_id=7)),
 ]
 
 
-@pytest.mark.parametrize("name,decision,local,errored,healed,expected", HEAL_CASES, ids=[c[0] for c in HEAL_CASES])
-def test_a_healed_step_is_adopted_only_when_the_group_commits(name, decision, local, errored, healed, expected):
+@pytest.mark.parametrize("name,decision,local,errored,healed,group_healed,expected", HEAL_CASES,
+                         ids=[c[0] for c in HEAL_CASES])
+def test_a_healed_step_is_adopted_only_when_every_rank_of_the_group_loaded_it(name, decision, local, errored, healed,
+                                                                              group_healed, expected):
     if decision is None:  # the loop never voted: the state is what the quorum left, untouched
         assert BEHIND == expected
         return
     after, _ = rules.on_vote(BEHIND, decision, local=local, errored=errored, num_participants=1, max_retries=None,
-                             healed=healed)
+                             healed=healed, group_healed=group_healed)
     assert after == expected
 
 
@@ -210,3 +212,14 @@ def test_a_step_of_several_groups_without_a_cross_group_reduction_is_refused(gro
     assert (error is not None) is refused
     if refused:
         assert "no cross-group reduction" in str(error) and "DistributedDataParallel" in str(error)
+
+
+def test_a_commit_records_its_quorum_and_a_heal_adopts_the_source_s_fork():
+    """The fork a step is on travels with it: a commit stamps the quorum id, a heal adopts the source's."""
+    committed, _ = rules.on_vote(StepState(step=4, quorum_id=12), True, local=True, errored=False, num_participants=2,
+                                 max_retries=None)
+    assert committed.commit_quorum_id == 12
+    target = rules.heal_target({"step": 9, "batches_committed": 18, "commit_quorum_id": 11}, 9, "g1")
+    healed_only, _ = rules.on_vote(BEHIND, False, local=False, errored=False, num_participants=1, max_retries=None,
+                                   healed=target, group_healed=True)
+    assert (healed_only.step, healed_only.commit_quorum_id) == (9, 11)

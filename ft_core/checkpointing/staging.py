@@ -2,7 +2,8 @@
 
 Device tensors are copied to pinned host buffers on a side CUDA stream per device, off the training
 stream's critical path; serving waits on the copies' events, and later writes on the training stream
-wait for them too (at disallow). The pinned buffers are ours and are reused for the next step.
+wait for them too (at disallow). The pinned buffers are ours and are freed once the step is no longer
+served (the heal is over), not kept for the next one.
 """
 
 from __future__ import annotations
@@ -25,36 +26,22 @@ class Staged:
     # (CUDA event of the device-to-host copies, the training stream that must wait for them before it
     # mutates the state), one per device; empty for host-only states
     ready: list[tuple[Any, Any]] = field(default_factory=list)
-    pinned: list[torch.Tensor] = field(default_factory=list)  # our staging buffers, recycled at disallow
+    pinned: list[torch.Tensor] = field(default_factory=list)  # our staging buffers, freed when no longer served
     digests: dict[int, int] = field(default_factory=dict)  # per chunk, computed by the first serve
     readers: int = 0
 
 
-class PinnedPool:
-    """Pinned host buffers by size, reused across steps (only ours: never a caller's pinned tensor)."""
-
-    def __init__(self) -> None:
-        self._free: dict[int, list[torch.Tensor]] = {}
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        free = self._free.get(nbytes)
-        if free:
-            return free.pop()
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-    def give_back(self, host: torch.Tensor) -> None:
-        self._free.setdefault(host.numel(), []).append(host)
-
-    def clear(self) -> None:
-        self._free.clear()
-
-
 class HostStager:
-    """Copies a staged step's device blobs to host memory: CUDA on a side stream per device, others in place."""
+    """Copies a staged step's device blobs to host memory: CUDA on a side stream per device, others in place.
+
+    The pinned buffers live only as long as their step is served: `recycle` (the step disallowed and no
+    reader left) frees them and hands the memory back to the system, so a source does not keep a copy
+    of the model's size pinned between heals (heals are rare; pinning again costs less than holding it).
+    """
 
     def __init__(self) -> None:
-        self.pool = PinnedPool()
         self._side_streams: dict[Any, Any] = {}
+        self.pinned_bytes = 0  # pinned host memory held by staged steps now (tests and logs)
 
     def stage(self, staged: Staged) -> None:
         """Copy device blobs to pinned host memory on a side stream per device; serving waits on the events."""
@@ -73,8 +60,9 @@ class HostStager:
             side.wait_stream(current)  # copy what the training stream has written so far
             with torch.cuda.stream(side):
                 for blob in blobs:
-                    host = self.pool.take(blob.nbytes)
+                    host = torch.empty(blob.nbytes, dtype=torch.uint8, pin_memory=True)
                     staged.pinned.append(host)
+                    self.pinned_bytes += host.numel()
                     host.copy_(blob.tensor, non_blocking=True)
                     blob.tensor.record_stream(side)  # keep the device memory alive until the copy ran
                     blob.tensor = host
@@ -83,11 +71,25 @@ class HostStager:
             staged.ready.append((event, current))
 
     def recycle(self, staged: Staged) -> None:
-        """Reuse our pinned staging buffers for the next step (only ours: never a caller's pinned tensor)."""
-        for host in staged.pinned:
-            self.pool.give_back(host)
+        """Free a step's pinned staging buffers once it is disallowed and no reader streams from it, and
+        hand torch's cached pinned blocks back (a caller's pinned snapshot of the state lands there too)."""
+        mine = {id(host) for host in staged.pinned}
+        for blob in staged.encoded.blobs:
+            if blob.tensor is not None and id(blob.tensor) in mine:
+                blob.tensor = None
+        self.pinned_bytes -= sum(host.numel() for host in staged.pinned)
         staged.pinned.clear()
+        _release_pinned_cache()
 
     def clear(self) -> None:
-        """Drop the pooled pinned buffers (at shutdown)."""
-        self.pool.clear()
+        """Forget the side streams (at shutdown); every staged step was recycled or dropped by then."""
+        self._side_streams.clear()
+        _release_pinned_cache()
+
+
+def _release_pinned_cache() -> None:
+    """Return torch's cached free pinned blocks to the system (ours were just freed into that cache;
+    blocks whose copies are still running stay until they finish). Pinned memory another user caches
+    there (a DataLoader's pin_memory) is pinned again on its next use."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch._C._host_emptyCache()

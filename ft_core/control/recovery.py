@@ -53,7 +53,11 @@ def compute_recovery_plan(replica_id: str, group_rank: int, quorum: Quorum, init
                           f"rank r of the others; restart the odd group with the same number of processes")
 
     max_step = max(m.step for m in participants)
-    at_max_step = [m for m in participants if m.step == max_step]
+    # Groups at max_step are identical only if they committed it in the same quorum: a step committed
+    # by a group alone (its peers' votes failed) and again by others later is a fork. The latest
+    # quorum's fork is the one to keep; groups on an older one heal like groups behind.
+    fork = max(m.commit_quorum_id for m in participants if m.step == max_step)
+    at_max_step = [m for m in participants if m.step == max_step and m.commit_quorum_id == fork]
     at_max_ids = [m.replica_id for m in at_max_step]
     max_replica_rank = at_max_ids.index(replica_id) if replica_id in at_max_ids else None
     # Rendezvous load is spread over the up-to-date groups' stores; every group computes the same one.

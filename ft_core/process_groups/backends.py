@@ -39,9 +39,12 @@ from ft_core.process_groups.child import (
     Waiter,
     as_c10d_group,
     connect_store,
-    is_loopback,
+    gloo_bind_address,
     new_backend,
+    nccl_version,
     on_completion,
+    supports_nonblocking_abort,
+    use_nccl_interface_toward,
 )
 
 logger = logging.getLogger("ft_core.process_groups")
@@ -83,6 +86,7 @@ class _BackendWork(dist.Work):
             if self._future is not None:
                 return self._future
             future = torch.futures.Future(devices=self._devices) if self._devices else torch.futures.Future()
+            future._ft_devices = tuple(self._devices or ())  # read by ft_core.futures.future_devices
 
             def done(exc: BaseException | None) -> None:
                 if exc is not None:
@@ -99,9 +103,19 @@ class _BackendWork(dist.Work):
 
 
 class ProcessGroupWrapper(ProcessGroup):
-    """A reconfigurable group running a c10d backend in this process (Gloo, NCCL, XCCL)."""
+    """A reconfigurable group running a c10d backend in this process (Gloo, NCCL, XCCL).
+
+    torchft's `ProcessGroupWrapper(pg=other)` (wrap an existing group, `.parent` is it) returns a
+    `ft_core.process_groups.wrappers.WrappedProcessGroup`, which is also a ProcessGroupWrapper.
+    """
 
     BACKEND = "none"
+    _wrapping_class: type | None = None  # set by ft_core.process_groups.wrappers
+
+    def __new__(cls, *args: Any, pg: ProcessGroup | None = None, **kwargs: Any) -> "ProcessGroupWrapper":
+        if pg is not None and cls is ProcessGroupWrapper and cls._wrapping_class is not None:
+            return super().__new__(cls._wrapping_class)
+        return super().__new__(cls)
 
     def __init__(self, timeout: timedelta | float | None = None) -> None:
         super().__init__(timeout)
@@ -121,7 +135,10 @@ class ProcessGroupWrapper(ProcessGroup):
         raise ProcessGroupError(f"{type(self).__name__} has no backend")
 
     def _devices(self, args: tuple) -> list[torch.device] | None:
-        return None
+        """The devices of the op's device tensors (Gloo takes CUDA tensors too): its future is made for
+        them, so a reader waiting on it is ordered after the op on the GPU. None: host tensors only."""
+        found = {t.device for t in _flat_tensors(args) if t.device.type == "cuda"}
+        return sorted(found, key=lambda d: d.index or 0) if found else None
 
     def _after_issue(self, work: _BackendWork, generation: int) -> None:
         """Called once per issued op (NCCL uses it to arm the op's deadline)."""
@@ -189,7 +206,8 @@ class ProcessGroupWrapper(ProcessGroup):
         with self._lock:
             if generation == self._generation and self._error is None:
                 self._error = error
-        logger.warning("collective failed", extra={"backend": self.BACKEND, "op": name, "error": str(error)})
+        # DEBUG: the Manager reports the step's failure once, with its cause (the user's console stays readable)
+        logger.debug("collective %s failed: %s", name, error, extra={"backend": self.BACKEND, "op": name})
         return error
 
     # -- collectives ----------------------------------------------------------------------------
@@ -229,8 +247,9 @@ class ProcessGroupGloo(ProcessGroupWrapper):
 
     def _create_backend(self, store: Any, store_host: str, rank: int, world_size: int, name: str,
                         global_ranks: list[int] | None) -> Any:
-        # Bind where the store is reachable: loopback for a loopback store, else the default interface.
-        hostname = "127.0.0.1" if is_loopback(store_host) else ""
+        # Bind the local address of the route toward the store (loopback for a loopback store);
+        # GLOO_SOCKET_IFNAME, when set, wins (child.gloo_devices).
+        hostname = gloo_bind_address(store_host) or ""
         before = socket_inodes()
         backend = new_backend("gloo", store, rank, world_size, self._timeout, self._timeout, hostname, name,
                               global_ranks)
@@ -252,20 +271,30 @@ class _AcceleratorGroup(ProcessGroupWrapper):
 
     DEVICE = "cuda"
 
-    def __init__(self, timeout: timedelta | float | None = None) -> None:
+    def __init__(self, timeout: timedelta | float | None = None, device: torch.device | int | str | None = None) -> None:
+        """device: the one device this rank's communicator uses (default: the device current on the
+        thread that configures, which the Manager sets to its creator's)."""
         super().__init__(timeout)
         self._deadlines = Deadlines(f"ft-{self.BACKEND}-deadlines")
+        self._device = _as_device(self.DEVICE, device)
+        self._abort_on_deadline = True  # False: a hung op is ended by the process-level timeout instead
 
     def _device_module(self) -> Any:
         return getattr(torch, self.DEVICE)
 
     def _current_device(self) -> torch.device:
+        if self._device is not None and self._device.index is not None:
+            return self._device
         return torch.device(self.DEVICE, self._device_module().current_device())
 
     def _devices(self, args: tuple) -> list[torch.device] | None:
-        return [self._current_device()]
+        """The devices of the op's tensors (its future is made for them), else the group's device."""
+        found = {t.device for t in _flat_tensors(args) if t.device.type == self.DEVICE}
+        return sorted(found, key=lambda d: d.index or 0) if found else [self._current_device()]
 
     def _after_issue(self, work: _BackendWork, generation: int) -> None:
+        if not self._abort_on_deadline:
+            return
         seconds = self._timeout.total_seconds()
 
         def check() -> None:
@@ -285,12 +314,42 @@ class _AcceleratorGroup(ProcessGroupWrapper):
     def errored(self) -> Exception | None:
         # Let queued device work finish (or time out and abort) so its failure is visible here.
         if self._error is None and self._backend is not None:
-            self._device_module().current_stream().synchronize()
+            self._device_module().current_stream(self._current_device()).synchronize()
         return self._error
 
     def shutdown(self) -> None:
         super().shutdown()
         self._deadlines.close()
+
+
+def _flat_tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _flat_tensors(item)]
+    return []
+
+
+def _as_device(kind: str, device: torch.device | int | str | None) -> torch.device | None:
+    if device is None:
+        return None
+    out = torch.device(kind, device) if isinstance(device, int) else torch.device(device)
+    if out.type != kind:
+        raise ProcessGroupError(f"device={device!r}: this group runs on {kind} devices; pass e.g. '{kind}:0'")
+    return out
+
+
+def _check_blocking_fallback(version: tuple[int, int, int] | None) -> None:
+    """Before a blocking NCCL communicator (NCCL older than 2.25): its hung op must end the process."""
+    shown = ".".join(map(str, version)) if version else "unknown"
+    if os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "").strip() == "0":
+        raise ProcessGroupError(
+            f"NCCL {shown} cannot abort a hung communicator safely (needs NCCL >= 2.25), so a hung op must "
+            "end the process, but TORCH_NCCL_ASYNC_ERROR_HANDLING=0 disables that; unset it or install "
+            "torch with NCCL >= 2.25")
+    logger.warning("NCCL %s is older than 2.25: using a blocking communicator; a collective that outlives "
+                   "the timeout ends this process (torch's watchdog) instead of aborting the communicator",
+                   shown, extra={"backend": "nccl", "nccl_version": shown})
 
 
 class ProcessGroupNCCL(_AcceleratorGroup):
@@ -303,15 +362,27 @@ class ProcessGroupNCCL(_AcceleratorGroup):
                         global_ranks: list[int] | None) -> Any:
         if not torch.cuda.is_available():
             raise ProcessGroupError("ProcessGroupNCCL needs CUDA; use ProcessGroupGloo on CPU")
-        # Non-blocking init/ops poll for this long before giving up (torch's knob; ours if unset).
-        os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(max(1, int(self._timeout.total_seconds()))))
+        version = nccl_version()
+        nonblocking = supports_nonblocking_abort(version)
+        if nonblocking:
+            # Non-blocking init/ops poll for this long before giving up (torch's knob; ours if unset).
+            os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(max(1, int(self._timeout.total_seconds()))))
+        else:
+            _check_blocking_fallback(version)
+        use_nccl_interface_toward(store_host)  # unless NCCL_SOCKET_IFNAME is set
         from torch._C._distributed_c10d import ProcessGroupNCCL as _NCCL
 
         opts = _NCCL.Options()
-        opts.config.blocking = False
-        # Our deadline aborts the communicator first; torch's watchdog (which would end the
-        # process) only acts as a far backstop.
-        opts._timeout = self._timeout + timedelta(seconds=60)
+        if nonblocking:
+            opts.config.blocking = False
+            # Our deadline aborts the communicator first; torch's watchdog (which would end the
+            # process) only acts as a far backstop.
+            opts._timeout = self._timeout + timedelta(seconds=60)
+        else:
+            # Blocking communicator: a hung op is ended by torch's watchdog at our timeout, which ends
+            # the process (the group restarts and heals); no abort from our deadline thread.
+            opts._timeout = self._timeout
+        self._abort_on_deadline = nonblocking
         opts.group_name = name
         opts.global_ranks_in_group = list(global_ranks or range(world_size))
         backend = _NCCL(store, rank, world_size, opts)

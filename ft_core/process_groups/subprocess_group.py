@@ -37,7 +37,7 @@ from ft_core.process_groups.base import (
 )
 from ft_core.process_groups.child import (
     ChildSpec,
-    is_loopback,
+    gloo_bind_address,
     opts_spec,
 )
 from ft_core.process_groups.child import main as child_main
@@ -135,8 +135,13 @@ class _Child:
     # -- ops ------------------------------------------------------------------------------------
     def submit(self, name: str, args: tuple, opts: dict[str, Any], timeout: float,
                ready_event: Any) -> _Pending:
+        # CUDA: the op's future is made for its tensors' devices, so whoever waits on it (or chains onto
+        # it) is ordered after the receiver thread's completion, whatever stream it runs on.
+        devices = sorted({t.device for t in _tensors(args) if t.device.type == "cuda"}, key=lambda d: d.index or 0)
         pending = _Pending(name=name, deadline=time.monotonic() + timeout, result=op_result(name, args),
-                           keep=(args, ready_event))
+                           keep=(args, ready_event),
+                           future=torch.futures.Future(devices=devices) if devices else torch.futures.Future())
+        pending.future._ft_devices = tuple(devices)  # read by ft_core.futures.future_devices
         with self._lock:
             if self.error is not None:
                 raise self.error
@@ -261,7 +266,7 @@ class ProcessGroupBaby(ProcessGroup):
         return f"ft-baby-{self.BACKEND}"
 
     def _child_device(self, store_host: str) -> str | None:
-        return "127.0.0.1" if is_loopback(store_host) else None
+        return gloo_bind_address(store_host)  # the route toward the store; GLOO_SOCKET_IFNAME wins in the child
 
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
                   quorum_id: int | None = None, group_rank: int | None = None,
@@ -303,6 +308,15 @@ class ProcessGroupBaby(ProcessGroup):
     def shutdown(self) -> None:
         self.unregister()
         self._end_child()
+
+    def num_active_work(self) -> int:
+        """Ops issued to the child and not finished yet (torchft's name)."""
+        with self._lock:
+            child = self._child
+        if child is None:
+            return 0
+        with child._lock:
+            return len(child._pending)
 
     def errored(self) -> Exception | None:
         with self._lock:
@@ -357,10 +371,22 @@ class ProcessGroupBabyNCCL(ProcessGroupBaby):
 
     BACKEND = "nccl"
 
+    def __init__(self, timeout: timedelta | float | None = None, start_timeout: timedelta | float | None = None,
+                 start_method: str | None = None, device: torch.device | int | str | None = None) -> None:
+        """device: the GPU the child's communicator uses (default: the device current on the thread that
+        configures, which the Manager sets to its creator's); the child calls torch.cuda.set_device on it."""
+        super().__init__(timeout, start_timeout, start_method)
+        self._device = None if device is None else (torch.device("cuda", device) if isinstance(device, int)
+                                                    else torch.device(device))
+        if self._device is not None and self._device.type != "cuda":
+            raise ProcessGroupError(f"ProcessGroupBabyNCCL(device={device!r}): pass a CUDA device such as 'cuda:1'")
+
     def _child_device(self, store_host: str) -> str | None:
         if not torch.cuda.is_available():
             raise ProcessGroupError("ProcessGroupBabyNCCL needs CUDA; use ProcessGroupBabyGloo on CPU")
-        return f"cuda:{torch.cuda.current_device()}"
+        if self._device is not None and self._device.index is not None:
+            return f"cuda:{self._device.index}"
+        return f"cuda:{torch.cuda.current_device()}"  # the parent's current device: the child sets it too
 
     def _ready_event(self, tensor: torch.Tensor) -> Any:
         if tensor.device.type != "cuda":

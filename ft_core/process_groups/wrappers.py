@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ft_core.errors import ProcessGroupError
+from ft_core.process_groups.backends import ProcessGroupWrapper
 from ft_core.process_groups.base import (
     CompletedWork,
     FutureWork,
@@ -43,6 +44,11 @@ class ProcessGroupDelegate(ProcessGroup):
 
     @property
     def inner(self) -> ProcessGroup:
+        return self._pg
+
+    @property
+    def parent(self) -> ProcessGroup:
+        """The wrapped group (torchft's name for `inner`)."""
         return self._pg
 
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
@@ -78,6 +84,28 @@ class ProcessGroupDelegate(ProcessGroup):
         return call_collective(self._pg, name, args, opts)
 
 
+class WrappedProcessGroup(ProcessGroupDelegate, ProcessGroupWrapper):
+    """What torchft's `ProcessGroupWrapper(pg=other)` builds: every call forwarded to `other` (`.parent`)."""
+
+    def __init__(self, timeout: timedelta | float | None = None, pg: ProcessGroup | None = None) -> None:
+        if pg is None:
+            raise ProcessGroupError("WrappedProcessGroup needs the group to wrap: pass pg=")
+        ProcessGroupDelegate.__init__(self, pg)
+        if timeout is not None:
+            self.set_timeout(timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout)))
+
+
+ProcessGroupWrapper._wrapping_class = WrappedProcessGroup
+
+
+def _like(inner: torch.futures.Future) -> torch.futures.Future:
+    """A future on the same CUDA devices as `inner` (plain on CPU), so stream order carries through."""
+    devices = list(getattr(inner, "_ft_devices", ()))
+    future = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+    future._ft_devices = tuple(devices)  # type: ignore[attr-defined]  # read by ft_core.futures
+    return future
+
+
 class _SwallowingWork(dist.Work):
     """Waits on the real work; an error is recorded on the wrapper and the op returns its inputs."""
 
@@ -97,7 +125,8 @@ class _SwallowingWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future:
         if self._future is None:
-            future: torch.futures.Future = torch.futures.Future()
+            inner_future = self._work.get_future()
+            future = _like(inner_future)
 
             def done(inner: torch.futures.Future) -> None:
                 try:
@@ -106,7 +135,7 @@ class _SwallowingWork(dist.Work):
                     self._owner.report_error(exc)
                 future.set_result(self._result)
 
-            self._work.get_future().add_done_callback(done)
+            inner_future.add_done_callback(done)
             self._future = future
         return self._future
 
@@ -170,8 +199,9 @@ class _FailingWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future:
         if self._future is None:
-            future: torch.futures.Future = torch.futures.Future()
-            self._work.get_future().add_done_callback(lambda _inner: future.set_exception(self._error))
+            inner_future = self._work.get_future()
+            future = _like(inner_future)
+            inner_future.add_done_callback(lambda _inner: future.set_exception(self._error))
             self._future = future
         return self._future
 
@@ -205,7 +235,11 @@ class SupportsManagedAllreduce(Protocol):
 
 class ManagedProcessGroup(ProcessGroup):
     """Routes allreduce through `manager.allreduce` (fault tolerant, commit-gated); size() is the
-    number of participants. Lets torch code that takes a process group (DDP, FSDP hooks) use the Manager."""
+    number of participants. Lets torch code that takes a process group (DDP, FSDP hooks) use the Manager.
+
+    Every other collective goes to the Manager's own process group (`parent`), as in torchft: those are
+    not commit-gated, and a failure surfaces from the op's wait() like on that group.
+    """
 
     def __init__(self, manager: SupportsManagedAllreduce, timeout: timedelta | float | None = None) -> None:
         super().__init__(timeout)
@@ -220,11 +254,20 @@ class ManagedProcessGroup(ProcessGroup):
     def configure(self, *args: Any, **kwargs: Any) -> None:
         raise ProcessGroupError("ManagedProcessGroup is configured by its Manager; configure the Manager's group")
 
+    @property
+    def parent(self) -> ProcessGroup:
+        """The Manager's process group, which carries every collective but allreduce."""
+        pg = getattr(self._manager, "_pg", None)
+        if pg is None:
+            raise ProcessGroupError("ManagedProcessGroup: this manager has no process group to forward to")
+        return pg
+
     def _collective(self, name: str, args: tuple, opts: Any) -> dist.Work:
         if name != "allreduce":
-            return self._unsupported(name)
+            return call_collective(self.parent, name, args, opts)
         tensors: list[torch.Tensor] = args[0]
         reduce_op = allreduce_opts(opts).reduceOp
+        reduce_op = getattr(reduce_op, "op", reduce_op)  # options hold a ReduceOp; the Manager takes its RedOpType
         works = [self._manager.allreduce(tensor, reduce_op=reduce_op) for tensor in tensors]
         if len(works) == 1:
             return works[0]

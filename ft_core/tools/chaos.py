@@ -9,11 +9,15 @@ The schedule (seeded; times depend on the machine) draws faults from:
   injected to provoke one) and SIGKILL its source or its receiver while the checkpoint moves;
 - lighthouse: SIGKILL the lighthouse and restart it on the same port after a pause.
 Throughout, each group's checkpoint server delays every request and drops some (chaos transport).
+The job's configuration is one cell of a matrix chosen by the seed (ft_core.tools.chaos_matrix,
+`--matrix list`): ranks per group, quorum mode, init_sync, BatchNorm, two optimizers, MAX/MIN
+checks, and faults the workers inject (skipped steps, failed loads and fetches on the healer).
 Faults wait until the job has made progress since the last one and leave min_replicas groups up.
 After the last fault the job trains `quiet_steps` more steps, the harness writes the exit file and
 checks the records (ft_core.tools.chaos_checks) and that no process is left behind.
 
     ftl chaos --groups 3 --faults 200 --seed 1 --out chaos-run
+    ftl chaos --matrix list                  # the cells; --matrix 4,7 limits the seed's choice to them
 """
 
 from __future__ import annotations
@@ -30,58 +34,37 @@ import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from ft_core.tools.chaos_checks import LogTail, check_run, heal_fault_outcomes, heal_stats, read_run
+from ft_core.tools.chaos_checks import (
+    LogTail,
+    check_ledger,
+    check_run,
+    divergent_commits,
+    heal_fault_outcomes,
+    heal_stats,
+    ledger,
+    parse_log_name,
+    read_run,
+    under_replicated_steps,
+)
+from ft_core.tools.chaos_matrix import (
+    FAULT_KINDS,
+    HEAL_KINDS,
+    ChaosConfig,
+    matrix_table,
+    parse_matrix,
+)
+
+__all__ = ["FAULT_KINDS", "ChaosConfig", "ChaosRun", "main"]
 from ft_core.tools.chaos_processes import LighthouseProcess, leftovers
 from ft_core.tools.chaos_worker import EXIT_FILE
-from ft_core.tools.launcher import GroupState, LaunchEvent, Launcher, StopSignals
+from ft_core.tools.launcher import GroupState, Launcher, LaunchEvent, StopSignals
 
 logger = logging.getLogger(__name__)
 
-FAULT_KINDS = ("kill", "hang", "lighthouse", "kill_heal_source", "kill_heal_receiver")
-HEAL_KINDS = ("kill_heal_source", "kill_heal_receiver")
 POLL_S = 0.05
-
-
-@dataclass(frozen=True)
-class ChaosConfig:
-    """One chaos run; every time is in seconds unless its name says otherwise."""
-
-    out: str
-    groups: int = 3
-    faults: int = 200
-    seed: int = 0
-    duration: float = 4 * 3600.0  # hard wall-clock bound of the whole run
-    min_replicas: int = 2
-    timeout: float = 5.0  # collectives and checkpoint transfers
-    quorum_timeout: float = 15.0
-    heartbeat_timeout_ms: int = 3000
-    join_timeout_ms: int = 1000
-    interval: float = 3.0  # mean pause between faults
-    min_progress_steps: int = 3  # the job advances this many steps between faults
-    transport_delay_ms: float = 150.0
-    transport_drop: float = 0.05
-    quiet_steps: int = 15
-    restart_delay: float = 0.5
-    step_sleep: float = 0.05
-    heal_wait: float = 90.0  # an armed heal fault gives up after this long
-    stall: float = 180.0  # no group committing a new highest step for this long ends the run as failed
-    kinds: tuple[str, ...] = FAULT_KINDS
-    token: str | None = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        unknown = sorted(set(self.kinds) - set(FAULT_KINDS))
-        problems = [(self.groups >= 3, f"--groups must be >= 3 (got {self.groups})"),
-                    (1 <= self.min_replicas < self.groups,
-                     f"--min-replicas must be in 1..groups-1 (got {self.min_replicas} with {self.groups} groups)"),
-                    (self.faults >= 0, f"--faults must be >= 0 (got {self.faults})"),
-                    (not unknown, f"unknown fault kinds {unknown}; choose from {', '.join(FAULT_KINDS)}"),
-                    (bool(self.kinds), "at least one fault kind is needed")]
-        for ok, message in problems:
-            if not ok:
-                raise ValueError(message)
 
 
 @dataclass
@@ -149,6 +132,8 @@ class ChaosRun:
         self.tails: dict[str, LogTail] = {}
         self.live: dict[tuple[str, int], _Live] = {}
         self.stopped: _Stopped | None = None
+        self.exit_seen: dict[str, float] = {}
+        self.stranded: list[int] = []  # groups stopped at the end, stranded below the exit step
         self.lighthouse_back_at: float | None = None
         self.armed: tuple[str, float] | None = None  # (kind, armed at) of a heal fault waiting for a heal
         self.bag: list[str] = []  # fault kinds left in this round
@@ -161,12 +146,13 @@ class ChaosRun:
                   "--min-replicas", str(cfg.min_replicas), "--timeout", str(cfg.timeout),
                   "--quorum-timeout", str(cfg.quorum_timeout), "--seed", str(cfg.seed),
                   "--step-sleep", str(cfg.step_sleep), "--transport-delay-ms", str(cfg.transport_delay_ms),
-                  "--transport-drop", str(cfg.transport_drop)]
-        self.launcher = Launcher(worker, cfg.groups, lighthouse=self.lighthouse.address, token=cfg.token,
+                  "--transport-drop", str(cfg.transport_drop), *cfg.cell.worker_args()]
+        if cfg.ledger:
+            worker += ["--ledger", "--dataset-size", str(cfg.dataset_size)]
+        self.launcher = Launcher(worker, cfg.groups, nproc_per_group=cfg.cell.ranks,
+                                 lighthouse=self.lighthouse.address, token=cfg.token,
                                  restart=True, restart_delay=cfg.restart_delay, log_dir=os.path.join(cfg.out, "logs"),
                                  on_event=self._on_launch_event, stop_grace=5.0)
-
-    # ------------------------------------------------------------------ observation
 
     def say(self, message: str) -> None:
         logger.info(message)
@@ -185,9 +171,9 @@ class ChaosRun:
                 self.tails[name] = LogTail(os.path.join(self.cfg.out, name))
         for name, tail in self.tails.items():
             records = tail.read()
-            if records:
-                group, _, inc = name[1:-len(".jsonl")].partition(".i")
-                self.live.setdefault((group, int(inc)), _Live()).update(records)
+            where = parse_log_name(name)
+            if records and where is not None and where[1] == 0:  # the schedule follows each group's rank 0
+                self.live.setdefault((where[0], where[2]), _Live()).update(records)
 
     def _current(self, group: int) -> _Live:
         """What the group's current incarnation has logged so far."""
@@ -224,8 +210,6 @@ class ChaosRun:
             if self._current(g).address == address:
                 return g
         return None
-
-    # ------------------------------------------------------------------ faults
 
     def _record(self, kind: str, target: str, detail: str = "", **where: Any) -> None:
         fault = Fault(len(self.faults) + 1, kind, time.time(), target, detail, **where)
@@ -355,8 +339,6 @@ class ChaosRun:
         else:
             self._hang(victim)
 
-    # ------------------------------------------------------------------ phases
-
     def _disarm(self) -> None:
         """No new faults: an armed heal fault that has not fired is skipped."""
         if self.armed is not None:
@@ -371,6 +353,34 @@ class ChaosRun:
         steps = [self._current(g).last_step for g in up]
         return max(steps) - min(steps) <= 2
 
+    def _release_stranded(self) -> None:
+        """Stop a group (past its target) whose last step failed as its peers committed it and exited: it
+        waits for a quorum that cannot form (the run's end, not an engine fault; reported as stranded)."""
+        statuses = self.launcher.statuses()
+        running = [s for s in statuses if s.state == GroupState.RUNNING]
+        if not running or len(running) == len(statuses) or any(s.state not in (GroupState.DONE, GroupState.RUNNING)
+                                                               for s in statuses):
+            return
+        done_at = self.exit_seen.setdefault("others_done", time.monotonic())
+        if time.monotonic() - done_at < 2 * self.cfg.timeout + 5:
+            return
+        for s in running:
+            if self._current(s.group).last_step >= (self.target or 0):
+                self.launcher.stop_group(s.group, grace=5.0)
+                self.stranded.append(s.group)
+                self.say(f"group {s.group} stranded below the exit step after its peers exited: stopped")
+
+    def _dump_stacks(self) -> None:
+        """Every worker prints all its threads' stacks to its group log (SIGUSR1, faulthandler)."""
+        for status in self.launcher.statuses():
+            for pid in status.pids:
+                try:
+                    os.kill(pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+        time.sleep(1.0)
+        self.say(f"stalled: every worker's stacks are in {os.path.join(self.cfg.out, 'logs')}")
+
     def _remember_sessions(self) -> None:
         for status in self.launcher.statuses():
             self.sessions.update(status.pids)
@@ -383,8 +393,8 @@ class ChaosRun:
         phase = "faults"
         final_deadline: float | None = None
         progress = (0, time.monotonic())  # (highest step, when it was first seen)
-        self.say(f"chaos: {cfg.groups} groups, {cfg.faults} faults, seed {cfg.seed}, min_replicas "
-                 f"{cfg.min_replicas}, out {cfg.out}")
+        self.say(f"chaos: {cfg.groups} groups, {cfg.faults} faults, seed {cfg.seed}, cell {cfg.cell.name}, "
+                 f"min_replicas {cfg.min_replicas}, out {cfg.out}")
         try:
             self.lighthouse.start()
             self.launcher.start()
@@ -419,11 +429,15 @@ class ChaosRun:
                     self.say(f"every group reached step {self.target}; asking them to exit after step {last}")
                 if phase == "exit" and self.launcher.finished:
                     break
+                if phase == "exit":
+                    self._release_stranded()
                 if self.max_step() > progress[0]:
                     progress = (self.max_step(), now)
                 elif now - progress[1] > cfg.stall and phase != "exit":
+                    self._dump_stacks()
                     self.unexpected.append(f"no progress: the highest committed step stayed {progress[0]} for "
-                                           f"{cfg.stall:.0f}s (phase {phase!r}); see the workers' logs in {cfg.out}")
+                                           f"{cfg.stall:.0f}s (phase {phase!r}); see the workers' logs (with their "
+                                           f"stacks at the stall) in {cfg.out}")
                     break
                 if self.stop.is_set():
                     self.unexpected.append(f"interrupted by a signal in phase {phase!r}")
@@ -441,26 +455,36 @@ class ChaosRun:
             self._remember_sessions()
         return self._verdict()
 
-    # ------------------------------------------------------------------ verdict
-
     def _verdict(self) -> dict[str, Any]:
         cfg = self.cfg
         incarnations = read_run(cfg.out)
         problems = check_run(incarnations, min_replicas=cfg.min_replicas,
                              groups=[str(g) for g in range(cfg.groups)], target=self.target)
+        problems += check_ledger(incarnations, cfg.dataset_size) if cfg.ledger else []
         problems += self.unexpected
         problems += [f"group {s.group} ended {s.state.value} ({s.detail}), not done"
-                     for s in self.launcher.statuses() if s.state != GroupState.DONE]
+                     for s in self.launcher.statuses() if s.state != GroupState.DONE and s.group not in self.stranded]
         problems += [f"process {pid} ({what}) is still running after the run" for pid, what in leftovers(self.sessions)]
         steps = [r for inc in incarnations for r in inc.steps]
         quorum_ids = [q for inc in incarnations for q in inc.quorum_ids()]
+        checked = Counter(name for r in steps for name in (r.get("reduce") or {}))
         summary = {
             "ok": not problems,
             "problems": problems,
+            "cell": cfg.cell.name,
+            "divergent_commits": divergent_commits(incarnations),
+            "under_replicated_commits": len(under_replicated_steps(incarnations, cfg.min_replicas)),
+            "wrong_reductions": sum(1 for p in problems if p.startswith("wrong reduction")),
+            "wedged_groups": sum(1 for p in problems if p.startswith("wedged") or "did not complete: group" in p
+                                 or ("ended" in p and "not done" in p)),
+            "hangs": sum(1 for p in problems if p.startswith("no progress") or "at its deadline" in p),
+            "reductions_checked": dict(checked),
+            "ledger": {str(k): v for k, v in ledger(incarnations, cfg.dataset_size).items()} if cfg.ledger else None,
             "faults_injected": len(self.faults),
             "faults_requested": cfg.faults,
             "faults_by_kind": dict(Counter(f.kind for f in self.faults)),
             "faults_skipped": dict(self.skipped),
+            "stranded_at_exit": list(self.stranded),
             "target_step": self.target,
             "max_step": max((int(r["step"]) for r in steps), default=0),
             "commits_logged": len(steps),
@@ -483,6 +507,11 @@ def print_summary(console: Any, summary: dict[str, Any]) -> None:
 
     table = Table(title="ftl chaos", show_header=False)
     table.add_row("verdict", "[bold green]PASS[/]" if summary["ok"] else "[bold red]FAIL[/]")
+    table.add_row("cell", summary["cell"])
+    table.add_row("invariants", f"{summary['divergent_commits']} divergent commits, "
+                                f"{summary['under_replicated_commits']} under-replicated commits, {summary['wrong_reductions']} "
+                                f"wrong reductions, {summary['wedged_groups']} wedged groups, {summary['hangs']} hangs; "
+                                f"reductions checked {json.dumps(summary['reductions_checked'])}")
     table.add_row("faults", f"{summary['faults_injected']} of {summary['faults_requested']} "
                             f"{json.dumps(summary['faults_by_kind'])}")
     if summary["faults_skipped"]:
@@ -490,11 +519,20 @@ def print_summary(console: Any, summary: dict[str, Any]) -> None:
     t = summary["transfers"]
     table.add_row("heals", f"{t['heals_loaded']} loaded; transfers {t['recv_start']} started, {t['recv_done']} "
                            f"done, {t['recv_failed']} failed; {t['drop']} requests dropped")
+    table.add_row("worker faults", f"{t['skip']} skipped steps, {t['load_failed']} failed loads, "
+                                   f"{t['recv_injected']} failed fetches (injected)")
     table.add_row("heal faults", json.dumps(summary["heal_faults"]))
     table.add_row("steps", f"max {summary['max_step']} (target {summary['target_step']}), "
                            f"{summary['commits_logged']} commits logged over {summary['incarnations']} processes")
     table.add_row("quorum ids", f"up to {summary['max_quorum_id']}; lighthouse started "
                                 f"{summary['lighthouse_starts']} times")
+    if summary.get("ledger"):
+        rows = summary["ledger"]
+        complete = [r for r in rows.values() if r["complete"]]
+        table.add_row("data ledger", f"{len(complete)} complete epochs of {len(rows)}: lost "
+                                     f"{sum(r['lost'] for r in complete)}, duplicated "
+                                     f"{sum(r['duplicated'] for r in rows.values())}, conflicting steps "
+                                     f"{sum(r['conflicts'] for r in rows.values())} (per epoch in summary.json)")
     table.add_row("time", f"{summary['seconds']} s")
     console.print(table)
     for problem in summary["problems"][:50]:
@@ -521,6 +559,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="probability a checkpoint request is dropped")
     p.add_argument("--kinds", default=",".join(d.kinds), help="comma-separated fault kinds to draw from")
     p.add_argument("--quiet-steps", type=int, default=d.quiet_steps, help="steps trained after the last fault")
+    p.add_argument("--ledger", action="store_true",
+                   help="train on the exactly-once DistributedSampler (ft_core.data) and check its ledger per epoch "
+                        "(lost, duplicated samples); default: synthetic batches")
+    p.add_argument("--matrix", default="all",
+                   help="'list' prints the matrix cells and exits; 'all' (default) or cell indices like 3,5: the "
+                        "cells the seed chooses among (seed k runs the k-th of them, modulo their number)")
     return p
 
 
@@ -530,13 +574,17 @@ def main(argv: list[str]) -> int:
 
     opts = build_parser().parse_args(argv)
     console = Console(highlight=False)
+    if opts.matrix.strip() == "list":
+        console.print(matrix_table(), highlight=False, markup=False)
+        return 0
     try:
         cfg = ChaosConfig(out=os.path.abspath(opts.out), groups=opts.groups, faults=opts.faults, seed=opts.seed,
                           duration=opts.duration, min_replicas=opts.min_replicas, interval=opts.interval,
                           timeout=opts.timeout, heartbeat_timeout_ms=opts.heartbeat_timeout_ms,
                           transport_delay_ms=opts.transport_delay_ms, transport_drop=opts.transport_drop,
                           kinds=tuple(k.strip() for k in opts.kinds.split(",") if k.strip()),
-                          quiet_steps=opts.quiet_steps, token=os.environ.get("FT_TOKEN") or None)
+                          quiet_steps=opts.quiet_steps, cells=parse_matrix(opts.matrix), ledger=opts.ledger,
+                          token=os.environ.get("FT_TOKEN") or None)
     except ValueError as exc:
         console.print(f"[red]ftl chaos: {exc}[/red]")
         return 2

@@ -1,10 +1,15 @@
 """What a chaos run must never violate, as pure functions over the workers' JSON records.
 
-Each worker incarnation (ft_core.tools.chaos_worker) writes `g<group>.i<incarnation>.jsonl`. `read_run`
-loads them into `Incarnation`s; `check_run` returns every broken promise as a sentence:
-- every group that committed step s holds the same digest for s (so do all participants of s);
+Each rank of each worker incarnation (ft_core.tools.chaos_worker) writes
+`g<group>.r<rank>.i<incarnation>.jsonl` (`g<group>.i<incarnation>.jsonl`: rank 0). `read_run` loads them
+into `Incarnation`s; `check_run` returns every broken promise as a sentence:
+- rank r of every group that committed step s holds the same digest for s (parameters, optimizer
+  state, buffers; so do all participants of s);
+- every checked reduction of a committed step (AVG of the participants' ranks, MAX, MIN) has its
+  expected value, on participants and non-participants alike;
 - committed steps strictly increase within an incarnation, and quorum ids never go backward;
-- no step commits with fewer than min_replicas participants;
+- the ranks of one group incarnation commit the same steps (a group whose ranks part is wedged);
+- no step commits unless at least min_replicas groups commit it (hold its state);
 - training completes: every group reaches the target step.
 Table-tested in tests/chaos/test_chaos.py; nothing here touches processes or the network.
 """
@@ -19,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 TRANSFER_KINDS = ("recv_start", "recv_done", "recv_failed")
-LOG_NAME = re.compile(r"^g(?P<group>[^.]+)\.i(?P<incarnation>\d+)\.jsonl$")
+LOG_NAME = re.compile(r"^g(?P<group>[^.]+)(\.r(?P<rank>\d+))?\.i(?P<incarnation>\d+)\.jsonl$")
 
 
 @dataclass
@@ -29,10 +34,11 @@ class Incarnation:
     group: str
     incarnation: int
     records: list[dict[str, Any]] = field(default_factory=list)
+    rank: int = 0
 
     @property
     def name(self) -> str:
-        return f"group {self.group} incarnation {self.incarnation}"
+        return f"group {self.group} incarnation {self.incarnation}" + (f" rank {self.rank}" if self.rank else "")
 
     def of_kind(self, kind: str) -> list[dict[str, Any]]:
         return [r for r in self.records if r.get("kind") == kind]
@@ -94,18 +100,24 @@ def read_run(out_dir: str) -> list[Incarnation]:
             continue
         with open(os.path.join(out_dir, name), "rb") as f:
             records = list(parse_lines(f.read().split(b"\n")))
-        found.append(Incarnation(match["group"], int(match["incarnation"]), records))
-    return sorted(found, key=lambda inc: (inc.group, inc.incarnation))
+        found.append(Incarnation(match["group"], int(match["incarnation"]), records, int(match["rank"] or 0)))
+    return sorted(found, key=lambda inc: (inc.group, inc.incarnation, inc.rank))
+
+
+def parse_log_name(name: str) -> tuple[str, int, int] | None:
+    """(group, rank, incarnation) of a worker's log file name, or None for another file."""
+    match = LOG_NAME.match(name)
+    return None if match is None else (match["group"], int(match["rank"] or 0), int(match["incarnation"]))
 
 
 def check_digests(incarnations: list[Incarnation]) -> list[str]:
-    """Every incarnation that committed step s has the same digest for s (reported as step ranges)."""
-    first: dict[int, tuple[str, str]] = {}
+    """Rank r of every incarnation that committed step s has the same digest for s (as step ranges)."""
+    first: dict[tuple[int, int], tuple[str, str]] = {}
     clashes: dict[tuple[str, str], list[int]] = {}
     for inc in incarnations:
         for rec in inc.steps:
             step, digest = int(rec["step"]), str(rec["digest"])
-            seen = first.setdefault(step, (digest, inc.name))
+            seen = first.setdefault((step, inc.rank), (digest, inc.name))
             if seen[0] != digest:
                 clashes.setdefault((seen[1], inc.name), []).append(step)
     return [f"divergence: {a} and {b} hold different digests for {len(steps)} committed step(s) "
@@ -139,12 +151,130 @@ def check_monotonic(incarnations: list[Incarnation]) -> list[str]:
     return problems
 
 
+def divergent_commits(incarnations: list[Incarnation]) -> int:
+    """How many (step, rank) commits disagree with the first digest logged for that step and rank."""
+    first: dict[tuple[int, int], str] = {}
+    bad = 0
+    for inc in incarnations:
+        for rec in inc.steps:
+            digest = first.setdefault((int(rec["step"]), inc.rank), str(rec["digest"]))
+            bad += digest != str(rec["digest"])
+    return bad
+
+
+def check_reductions(incarnations: list[Incarnation]) -> list[str]:
+    """Every checked reduction of a committed step ({name: [got, expected]}) got its expected value."""
+    problems: dict[tuple[str, str], list[tuple[int, float, float]]] = {}
+    for inc in incarnations:
+        for rec in inc.steps:
+            for name, pair in (rec.get("reduce") or {}).items():
+                got, expected = float(pair[0]), float(pair[1])
+                if abs(got - expected) > 1e-9 * max(1.0, abs(expected)):
+                    problems.setdefault((inc.name, name), []).append((int(rec["step"]), got, expected))
+    return [f"wrong reduction: {who} committed {len(bad)} step(s) {format_steps([b[0] for b in bad])} with a "
+            f"wrong {name.upper()} (first: step {bad[0][0]} got {bad[0][1]:g}, expected {bad[0][2]:g})"
+            for (who, name), bad in problems.items()]
+
+
+def check_group_ranks(incarnations: list[Incarnation]) -> list[str]:
+    """The ranks of one group incarnation commit the same steps, up to where the first of them stopped
+    logging (a kill ends the ranks at slightly different points): ranks at different steps are wedged."""
+    by_key: dict[tuple[str, int], list[Incarnation]] = {}
+    for inc in incarnations:
+        by_key.setdefault((inc.group, inc.incarnation), []).append(inc)
+    problems = []
+    for (group, number), ranks in sorted(by_key.items()):
+        if len(ranks) < 2:
+            continue
+        upto = min((inc.last_step() or 0) for inc in ranks)
+        steps = {inc.rank: [int(r["step"]) for r in inc.steps if int(r["step"]) <= upto] for inc in ranks}
+        reference = steps[min(steps)]
+        for rank, mine in sorted(steps.items()):
+            if mine != reference:
+                extra = sorted(set(mine) ^ set(reference))
+                problems.append(f"wedged: group {group} incarnation {number} rank {rank} committed other steps than "
+                                f"rank {min(steps)} up to step {upto} (differing: {format_steps(extra)})")
+    return problems
+
+
+UNDER_REPLICATED = "under-replicated"
+
+
+def under_replicated_steps(incarnations: list[Incarnation], min_replicas: int) -> list[tuple[int, list[str]]]:
+    """Committed steps that fewer than min_replicas groups committed: (step, the groups that did).
+
+    A group incarnation that ended (was killed) right after step s-1 may have committed s without
+    logging it: such a step is not counted (the window is the few milliseconds between the vote and
+    the record)."""
+    holders: dict[int, set[str]] = {}
+    ended_after: dict[int, set[str]] = {}  # step -> groups with an incarnation whose last record is step-1
+    for inc in incarnations:
+        if inc.rank != 0:
+            continue
+        for rec in inc.steps:
+            holders.setdefault(int(rec["step"]), set()).add(inc.group)
+        last = inc.last_step()
+        if last is not None and not inc.of_kind("exit"):
+            ended_after.setdefault(last + 1, set()).add(inc.group)
+    return [(step, sorted(groups)) for step, groups in sorted(holders.items())
+            if len(groups) < min_replicas and not (ended_after.get(step, set()) - groups)]
+
+
+def ledger(incarnations: list[Incarnation], dataset_size: int) -> dict[int, dict[str, int]]:
+    """Per epoch of the exactly-once sampler (runs with --ledger): steps, samples lost (never consumed,
+    counted for complete epochs only) and duplicated (consumed twice), from the "consumed" indices each
+    committed step logged per rank column, and "conflicts": steps whose committers logged different
+    consumptions (the same step committed twice with other data: never expected)."""
+    by_step: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}  # (step, rank) -> (epoch, consumed)
+    conflicts: dict[int, int] = {}
+    for inc in incarnations:
+        for rec in inc.steps:
+            if "consumed" not in rec:
+                continue
+            entry = (int(rec["epoch"]), tuple(int(i) for i in rec["consumed"]))
+            seen = by_step.setdefault((int(rec["step"]), inc.rank), entry)
+            if seen != entry:
+                conflicts[entry[0]] = conflicts.get(entry[0], 0) + 1
+    if not by_step:
+        return {}
+    counts: dict[int, dict[int, int]] = {}
+    steps: dict[int, set[int]] = {}
+    for (step, _rank), (epoch, consumed) in by_step.items():
+        steps.setdefault(epoch, set()).add(step)
+        bucket = counts.setdefault(epoch, {})
+        for i in consumed:
+            bucket[i] = bucket.get(i, 0) + 1
+    last = max(counts)
+    return {epoch: {"steps": len(steps[epoch]),
+                    "lost": sum(1 for i in range(dataset_size) if i not in counts[epoch]) if epoch < last else 0,
+                    "duplicated": sum(1 for c in counts[epoch].values() if c > 1),
+                    "conflicts": conflicts.get(epoch, 0), "complete": epoch < last}
+            for epoch in sorted(counts)}
+
+
+def check_ledger(incarnations: list[Incarnation], dataset_size: int) -> list[str]:
+    """Every complete epoch consumed each sample exactly once (nothing lost, nothing duplicated)."""
+    problems = []
+    for epoch, row in ledger(incarnations, dataset_size).items():
+        if row["lost"] or row["duplicated"] or row["conflicts"]:
+            problems.append(f"ledger: epoch {epoch} lost {row['lost']}, duplicated {row['duplicated']} sample(s), "
+                            f"{row['conflicts']} step(s) logged with other consumptions")
+    return problems
+
+
 def check_min_replicas(incarnations: list[Incarnation], min_replicas: int) -> list[str]:
-    """No step commits with fewer than min_replicas participants."""
-    return [f"{inc.name}: step {rec['step']} committed with {rec.get('participants')} participants, "
-            f"fewer than min_replicas {min_replicas}"
-            for inc in incarnations for rec in inc.steps
-            if not isinstance(rec.get("participants"), int) or rec["participants"] < min_replicas]
+    """No step commits unless at least min_replicas groups commit it (and so hold its state). The
+    participants a record logs (AVG's divisor) may be fewer: healers that load the state at commit
+    count, but only if their commit happens; a healer whose load failed does not hold the step."""
+    problems = [f"{inc.name}: step {rec['step']} logged without a participant count"
+                for inc in incarnations for rec in inc.steps if not isinstance(rec.get("participants"), int)]
+    low = under_replicated_steps(incarnations, min_replicas)
+    if low:
+        worst = min(low, key=lambda item: len(item[1]))
+        problems.append(f"{UNDER_REPLICATED}: {len(low)} committed step(s) {format_steps([s for s, _ in low])} were "
+                        f"committed by fewer than min_replicas {min_replicas} groups (e.g. step {worst[0]} by "
+                        f"group(s) {', '.join(worst[1]) or 'none'} only)")
+    return problems
 
 
 def check_completion(incarnations: list[Incarnation], groups: Iterable[str], target: int | None) -> list[str]:
@@ -162,14 +292,16 @@ def check_completion(incarnations: list[Incarnation], groups: Iterable[str], tar
 def check_run(incarnations: list[Incarnation], *, min_replicas: int, groups: Iterable[str],
               target: int | None) -> list[str]:
     """Every broken promise of a run, as sentences (empty: the run kept all of them)."""
-    return (check_digests(incarnations) + check_monotonic(incarnations)
-            + check_min_replicas(incarnations, min_replicas) + check_completion(incarnations, groups, target))
+    return (check_digests(incarnations) + check_reductions(incarnations) + check_monotonic(incarnations)
+            + check_group_ranks(incarnations) + check_min_replicas(incarnations, min_replicas)
+            + check_completion(incarnations, groups, target))
 
 
 def heal_stats(incarnations: list[Incarnation]) -> dict[str, int]:
     """Counts of checkpoint transfers started, completed and failed, and of dropped requests."""
     count = {kind: sum(len(inc.of_kind(kind)) for inc in incarnations)
-             for kind in ("recv_start", "recv_done", "recv_failed", "drop", "send", "step_error")}
+             for kind in ("recv_start", "recv_done", "recv_failed", "drop", "send", "step_error", "skip",
+                          "load_failed", "recv_injected", "sampler_empty")}
     count["heals_loaded"] = sum(1 for inc in incarnations for r in inc.of_kind("event")
                                 if r["event"].get("type") == "heal")
     return count
@@ -182,7 +314,7 @@ def heal_fault_outcomes(faults: list[dict[str, Any]], incarnations: list[Incarna
     kill_heal_source: "transfer_failed" when the receiver's transfer of that step then failed,
     "transfer_done" when it had completed before the kill landed (the state was still to be loaded).
     """
-    by_key = {(inc.group, inc.incarnation): inc for inc in incarnations}
+    by_key = {(inc.group, inc.incarnation): inc for inc in incarnations if inc.rank == 0}
     outcomes: dict[str, dict[str, int]] = {"kill_heal_receiver": {}, "kill_heal_source": {}}
     for fault in faults:
         kind, receiver = fault.get("kind"), fault.get("receiver")

@@ -3,32 +3,51 @@ harness checks, one JSON line at a time (flushed, since the process may be SIGKI
 
     python -m ft_core.tools.chaos_worker --out DIR [--min-replicas 2 --timeout 5 ...]
 
-Run by `ft_core.tools.chaos` through the Launcher (REPLICA_GROUP_ID, FT_RESTART_COUNT, FT_LIGHTHOUSE and
-FT_TOKEN come from the environment). Each incarnation writes DIR/g<group>.i<incarnation>.jsonl with
-records keyed by "kind":
-- "ready": the process is up (replica_id, pid).
-- "step": after each committed step: step, digest (sha256 of the raw bytes of every parameter and
-  optimizer state tensor), participants, replica_ids, quorum_id, healed, time.
+Run by `ft_core.tools.chaos` through the Launcher (REPLICA_GROUP_ID, FT_RESTART_COUNT, FT_LIGHTHOUSE,
+FT_TOKEN and torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT come from the environment). Each rank
+of each incarnation writes DIR/g<group>.r<rank>.i<incarnation>.jsonl with records keyed by "kind":
+- "ready": the process is up (replica_id, pid, rank, the matrix cell it runs).
+- "step": after each committed step: step, digest (sha256 of the raw bytes of every parameter,
+  optimizer state tensor and buffer), participants, replica_ids, quorum_id, healed, time, and
+  "reduce": {name: [got, expected]} for the step's reductions checked against their expected value
+  (the average of the participants' ranks, and with --extremes their MAX and MIN).
+- with --ledger (ft_core.data.DistributedSampler's exactly-once mode over a dataset of --dataset-size
+  indexed samples), each "step" record also carries "epoch" and "consumed": the dataset indices that
+  the committed step consumed in this rank's column (the same on every group that committed it).
+- "skip": the loop skipped this step's vote on purpose (--skip-prob), as a loop that skips
+  `optimizer.step()` does; "load_failed": an injected failure of the healed-state load.
 - "event": the Manager's structured events (quorum, heal, commit, error) as they happen.
 - "send" / "recv_start" / "recv_done" / "recv_failed": the checkpoint transport at work (heals).
-- "drop" / "delay": faults the chaos transport injected on this source.
+- "drop" / "recv_injected": faults the chaos transport injected (a dropped request on the source, a
+  failed fetch on the healer).
 - "step_error": a step raised (e.g. no lighthouse reachable); the loop goes on.
 - "exit": the loop ended: the group committed the step the harness wrote to DIR/exit (every group
   stops after that same commit, so none is left waiting for a quorum).
 
 The checkpoint transport is `ChaosHTTPTransport`: the production HTTPTransport with a fault hook on
 its serving side (a delay before each request, a random dropped connection), so heals run slowly
-enough to be interrupted and sometimes fail. It lives here, never in the production class.
+enough to be interrupted and sometimes fail, and on its receiving side (a fetch that fails before it
+starts, --recv-fail-prob). It lives here, never in the production class. The load failures are the
+worker's own load_state_dict fn raising (--load-fail-prob): both go through the public API only.
+
+The matrix dimensions (`ftl chaos --matrix`): ranks per group (the Launcher's torchrun environment),
+--sync (use_async_quorum=False), --init-sync (then every group starts from other weights, so only
+init_sync makes them identical), --model batchnorm (BatchNorm buffers, synchronised by ft_core DDP),
+--optimizers 2 (two optimizers, one Manager step each: the step's parity picks the optimizer, so the
+loop position is part of the committed state and a healed group continues with the right one),
+--extremes (MAX and MIN reductions beside the gradient average), and the injected faults above.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import json
 import logging
 import os
 import random
+import signal
 import sys
 import threading
 import time
@@ -37,13 +56,15 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed import ReduceOp
 
 from ft_core.checkpointing import HTTPTransport
+from ft_core.data import DistributedSampler
 from ft_core.ddp import DistributedDataParallel
 from ft_core.errors import FTError
 from ft_core.manager import Manager, WorldSizeMode
-from ft_core.optim import OptimizerWrapper
 from ft_core.process_groups import ProcessGroupGloo
 
 EXIT_FILE = "exit"
@@ -86,11 +107,14 @@ class EventRecorder(logging.Handler):
 class ChaosHTTPTransport(HTTPTransport):
     """HTTPTransport whose server side delays every request and drops some connections (seeded)."""
 
-    def __init__(self, log: RecordLog, *, delay_ms: float, drop: float, seed: int, **kwargs: Any) -> None:
+    def __init__(self, log: RecordLog, *, delay_ms: float, drop: float, seed: int, recv_fail: float = 0.0,
+                 **kwargs: Any) -> None:
         self._log = log
         self._delay_s = max(0.0, delay_ms) / 1000.0
         self._drop = min(max(drop, 0.0), 1.0)
+        self._recv_fail = min(max(recv_fail, 0.0), 1.0)
         self._rng = random.Random(seed)
+        self._recv_rng = random.Random(seed + 1)
         self._rng_lock = threading.Lock()
         super().__init__(**kwargs)
 
@@ -111,6 +135,10 @@ class ChaosHTTPTransport(HTTPTransport):
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
         self._log.write("recv_start", step=step, src_rank=src_rank, source=metadata)
+        if self._recv_fail and self._recv_rng.random() < self._recv_fail:
+            self._log.write("recv_injected", step=step, source=metadata)
+            self._log.write("recv_failed", step=step, source=metadata, error="chaos: injected fetch failure")
+            raise ConnectionError("chaos: injected failure while fetching the checkpoint")
         try:
             state = super().recv_checkpoint(src_rank, metadata, step, timeout)
         except Exception as exc:
@@ -120,29 +148,64 @@ class ChaosHTTPTransport(HTTPTransport):
         return state
 
 
-def state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
-    """sha256 over the raw bytes of every parameter and optimizer state tensor, in a fixed order."""
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def state_digest(model: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> str:
+    """sha256 over the raw bytes of every parameter, buffer and optimizer state tensor, in a fixed order."""
     h = hashlib.sha256()
     for name, param in model.named_parameters():
         h.update(name.encode())
-        h.update(param.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    for index, state in sorted(optimizer.state_dict()["state"].items()):
-        for key in sorted(state):
-            value = state[key]
-            h.update(f"{index}.{key}".encode())
-            if isinstance(value, torch.Tensor):
-                h.update(value.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-            else:
-                h.update(repr(value).encode())
+        h.update(_tensor_bytes(param))
+    for name, buf in model.named_buffers():  # BatchNorm running stats and num_batches_tracked
+        h.update(f"buffer.{name}".encode())
+        h.update(_tensor_bytes(buf))
+    for number, optimizer in enumerate(optimizers):
+        for index, state in sorted(optimizer.state_dict()["state"].items()):
+            for key in sorted(state):
+                value = state[key]
+                h.update(f"{number}.{index}.{key}".encode())
+                h.update(_tensor_bytes(value) if isinstance(value, torch.Tensor) else repr(value).encode())
     return h.hexdigest()
 
 
-def batch(seed: int, step: int, rank: int | None, size: int, features: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The deterministic batch of one participant at one step (non-participants' gradients are zeroed)."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + step * 101 + (rank if rank is not None else 97))
+def extreme_value(seed: int, participants: int, rank: int) -> float:
+    """What participant `rank` of `participants` contributes to the MAX/MIN check (negative, so zeros
+    would show). Not a function of the step: a group that healed in sync mode participates while its
+    current_step() is still the pre-heal one (the healed step is adopted at commit)."""
+    return -1.0 - float(zlib.crc32(f"{seed}/{participants}/{rank}".encode()) % 1000)
+
+
+def build_model(kind: str, features: int, hidden: int) -> torch.nn.Module:
+    if kind == "batchnorm":
+        return torch.nn.Sequential(torch.nn.Linear(features, hidden), torch.nn.BatchNorm1d(hidden), torch.nn.Tanh(),
+                                   torch.nn.Linear(hidden, hidden), torch.nn.BatchNorm1d(hidden), torch.nn.Tanh(),
+                                   torch.nn.Linear(hidden, 4))
+    return torch.nn.Sequential(torch.nn.Linear(features, hidden), torch.nn.Tanh(),
+                               torch.nn.Linear(hidden, hidden), torch.nn.Tanh(),
+                               torch.nn.Linear(hidden, 4))
+
+
+def batch(seed: int, step: int, rank: int | None, size: int, features: int,
+          group_rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The deterministic batch of one participant at one step (non-participants' gradients are zeroed);
+    each rank of a group has its own data, so rank r of every group is compared with rank r only."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step * 101 + (rank if rank is not None else 97)
+                                        + group_rank * 7919)
     x = torch.randn(size, features, generator=gen)
     y = torch.randn(size, 4, generator=gen)
     return x, y
+
+
+def indexed_batch(seed: int, indices: list[int], features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The samples of dataset indices (each derived from its index alone, like a real dataset)."""
+    xs, ys = [], []
+    for i in indices:
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + 7 * i + 1)
+        xs.append(torch.randn(features, generator=gen))
+        ys.append(torch.randn(4, generator=gen))
+    return torch.stack(xs), torch.stack(ys)
 
 
 def exit_step(path: str) -> int | float:
@@ -169,15 +232,55 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step-sleep", type=float, default=0.05, help="pause after each step, seconds")
     p.add_argument("--transport-delay-ms", type=float, default=0.0, help="chaos: delay per checkpoint request")
     p.add_argument("--transport-drop", type=float, default=0.0, help="chaos: probability a request is dropped")
+    p.add_argument("--sync", action="store_true", help="use_async_quorum=False")
+    p.add_argument("--init-sync", action="store_true", help="init_sync=True, every group starting from other weights")
+    p.add_argument("--model", default="mlp", choices=("mlp", "batchnorm"))
+    p.add_argument("--optimizers", type=int, default=1, choices=(1, 2), help="optimizers, one Manager step each")
+    p.add_argument("--extremes", action="store_true", help="MAX and MIN reductions beside the gradient average")
+    p.add_argument("--skip-prob", type=float, default=0.0, help="chaos: probability a step skips its vote")
+    p.add_argument("--load-fail-prob", type=float, default=0.0, help="chaos: probability a healed-state load raises")
+    p.add_argument("--recv-fail-prob", type=float, default=0.0, help="chaos: probability a checkpoint fetch fails")
+    p.add_argument("--cell", default="", help="the matrix cell's name, for the records")
+    p.add_argument("--ledger", action="store_true", help="data from the exactly-once DistributedSampler; log "
+                                                         "each committed step's consumed indices")
+    p.add_argument("--dataset-size", type=int, default=240, help="samples per epoch with --ledger")
     return p.parse_args(argv)
+
+
+def issue_reductions(manager: Manager, seed: int, extremes: bool) -> dict[str, float]:
+    """This step's checked reductions, issued beside the gradient average: {name: result}. A participant
+    sends its rank (AVG) and its `extreme_value` (MAX, MIN); non-participants send the op's identity, so
+    the result is the participants' alone (see `expected_reductions`)."""
+    rank = manager.participating_rank()
+    n = manager.num_participants()
+    tensors = {"avg": torch.tensor([float(rank) if rank is not None else 12345.0], dtype=torch.float64)}
+    works = [manager.allreduce(tensors["avg"])]
+    if extremes:
+        for name, op in (("max", ReduceOp.MAX), ("min", ReduceOp.MIN)):
+            tensors[name] = torch.tensor([extreme_value(seed, n, rank) if rank is not None else 777.0],
+                                         dtype=torch.float64)
+            works.append(manager.allreduce(tensors[name], op))
+    for work in works:
+        work.wait()
+    return {name: float(t.item()) for name, t in tensors.items()}
+
+
+def expected_reductions(got: dict[str, float], seed: int, n: int) -> dict[str, list[float]]:
+    """{name: [got, expected]} once the step committed: the participants had ranks 0..n-1."""
+    values = [extreme_value(seed, n, r) for r in range(n)]
+    expected = {"avg": (n - 1) / 2.0, "max": max(values, default=0.0), "min": min(values, default=0.0)}
+    return {name: [value, expected[name]] for name, value in got.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness dumps every stack when the job stalls
     group = os.environ.get("REPLICA_GROUP_ID", "0")
     incarnation = int(os.environ.get("FT_RESTART_COUNT", "0"))
-    log = RecordLog(os.path.join(args.out, f"g{group}.i{incarnation}.jsonl"))
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    log = RecordLog(os.path.join(args.out, f"g{group}.r{rank}.i{incarnation}.jsonl"))
     recorder = EventRecorder(log)
     events = logging.getLogger("ft_core.events")
     events.setLevel(logging.INFO)
@@ -185,58 +288,127 @@ def main(argv: list[str] | None = None) -> int:
     events.addHandler(recorder)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
-    torch.manual_seed(args.seed)  # every group starts identical (init_sync=False relies on it)
-    model = torch.nn.Sequential(torch.nn.Linear(args.features, args.hidden), torch.nn.Tanh(),
-                                torch.nn.Linear(args.hidden, args.hidden), torch.nn.Tanh(),
-                                torch.nn.Linear(args.hidden, 4))
-    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # Without init_sync every group must start identical (same seed); with it, each group and rank starts
+    # from other weights and only the initial heal makes them identical.
+    torch.manual_seed(args.seed * 7 + rank + ((1 + int(group)) * 1009 * (1 + incarnation) if args.init_sync else 0))
+    model = build_model(args.model, args.features, args.hidden)
+    params = list(model.parameters())
+    if args.optimizers == 2:  # a "generator" and a "head", one Manager step each
+        split = len(params) - 2
+        inners = [torch.optim.AdamW(params[:split], lr=1e-3), torch.optim.SGD(params[split:], lr=1e-2, momentum=0.9)]
+    else:
+        inners = [torch.optim.AdamW(params, lr=1e-3)]
+    fault_rng = random.Random(zlib.crc32(f"faults/{args.seed}/{group}/{incarnation}/{rank}".encode()))
 
     def save() -> dict[str, Any]:
-        return {"model": model.state_dict(), "optim": inner.state_dict()}
+        return {"model": model.state_dict(), "optim": [o.state_dict() for o in inners]}
 
     def load(state: dict[str, Any]) -> None:
+        if args.load_fail_prob and fault_rng.random() < args.load_fail_prob:
+            log.write("load_failed", step=manager.current_step())
+            raise RuntimeError("chaos: injected failure while loading the healed state")
         model.load_state_dict(state["model"])
-        inner.load_state_dict(state["optim"])
+        for o, sd in zip(inners, state["optim"]):
+            o.load_state_dict(sd)
 
     timeout = timedelta(seconds=args.timeout)
+    group_store = None
+    if world_size > 1 and rank == 0:  # what torchrun's agent does: host the group's TCPStore at MASTER_PORT
+        group_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=True,
+                                    wait_for_workers=False, timeout=timedelta(seconds=args.connect_timeout))
     transport = ChaosHTTPTransport(log, delay_ms=args.transport_delay_ms, drop=args.transport_drop,
-                                   seed=zlib.crc32(f"{args.seed}/{group}/{incarnation}".encode()),
-                                   timeout=timeout, num_chunks=0)
+                                   seed=zlib.crc32(f"{args.seed}/{group}/{incarnation}/{rank}".encode()),
+                                   recv_fail=args.recv_fail_prob, timeout=timeout, num_chunks=0)
     manager = Manager(ProcessGroupGloo(timeout=timeout), load_state_dict=load, state_dict=save,
-                      min_replica_size=args.min_replicas, use_async_quorum=True, init_sync=False,
+                      min_replica_size=args.min_replicas, use_async_quorum=not args.sync, init_sync=args.init_sync,
                       timeout=timeout, quorum_timeout=timedelta(seconds=args.quorum_timeout),
                       connect_timeout=timedelta(seconds=args.connect_timeout),
-                      world_size_mode=WorldSizeMode.DYNAMIC, replica_id=f"g{group}", rank=0, world_size=1,
+                      world_size_mode=WorldSizeMode.DYNAMIC, replica_id=f"g{group}", rank=rank, world_size=world_size,
                       checkpoint_transport=transport)
     ddp = DistributedDataParallel(manager, model)
-    optimizer = OptimizerWrapper(manager, inner)
     log.write("ready", replica_id=manager.replica_id, pid=os.getpid(), group=group, incarnation=incarnation,
-              address=transport.metadata())
+              rank=rank, world_size=world_size, address=transport.metadata(), cell=args.cell)
 
     exit_file = os.path.join(args.out, EXIT_FILE)
+    attempts: dict[int, int] = {}
+    sampler = None
+    if args.ledger:
+        sampler = DistributedSampler(range(args.dataset_size), replica_group_id=int(group),
+                                     num_replica_groups=int(os.environ.get("NUM_REPLICA_GROUPS", "3")),
+                                     group_rank=rank, num_replicas=world_size, seed=args.seed, manager=manager,
+                                     batch_size=args.batch_size)
+
+    def batches() -> Any:
+        """What each Manager step trains on: the sampler's batches (epoch after epoch), or synthetic ones."""
+        while True:
+            if sampler is None:
+                yield None
+                continue
+            empty = True
+            for drawn in sampler:
+                empty = False
+                yield drawn
+            if empty:  # an iteration with nothing to train: say so (the harness reports the stall), no spin
+                log.write("sampler_empty", step=manager.current_step(), epoch=sampler.epoch)
+                time.sleep(0.5)
+
+    def one_step(drawn: list[int] | None) -> tuple[bool, dict[str, Any]]:
+        step = manager.current_step()
+        manager.start_quorum()  # one Manager step per optimizer step (two per batch with --optimizers 2)
+        for o in inners:
+            o.zero_grad()
+        if drawn is None:
+            x, y = batch(args.seed, step // args.optimizers, manager.participating_rank(), args.batch_size,
+                         args.features, rank)
+            weight = 1.0
+        else:
+            weight = sampler.loss_weight()  # once per step, after the quorum and before backward
+            x, y = indexed_batch(args.seed, list(drawn) or [0], args.features)
+            weight = weight if drawn else 0.0
+        (F.mse_loss(ddp(x), y) * weight).backward()
+        got = issue_reductions(manager, args.seed, args.extremes)
+        # a skipped optimizer step (e.g. a GradScaler inf): every rank of the group draws the same,
+        # and only a step's first attempt may skip (a skipped step is retried, never skipped forever)
+        attempts[step] = attempts.get(step, 0) + 1
+        skip = random.Random(zlib.crc32(f"skip/{args.seed}/{group}/{incarnation}/{step}".encode()))
+        if args.skip_prob and attempts[step] == 1 and skip.random() < args.skip_prob:
+            log.write("skip", step=step)
+            return False, {}
+        extra: dict[str, Any] = {}
+        if sampler is not None and sampler.last_batch is not None and sampler.last_batch.participating_rank \
+                is not None:  # a participant's view of the step (a healer's position is the stale one)
+            record = sampler.last_batch
+            extra = {"epoch": record.epoch, "consumed": list(record.consumed)}
+        if not manager.should_commit():
+            return False, {}
+        # the step committed is current_step() - 1 (a healed group adopted its source's step), so its
+        # parity picks the same optimizer on every group
+        inners[(manager.current_step() - 1) % len(inners)].step()
+        extra["reduce"] = expected_reductions(got, args.seed, manager.num_participants())
+        return True, extra
+
     try:
-        while manager.current_step() < exit_step(exit_file):
-            step = manager.current_step()
+        for drawn in batches():
+            if manager.current_step() >= exit_step(exit_file):
+                break
             try:
-                optimizer.zero_grad()
-                x, y = batch(args.seed, step, manager.participating_rank(), args.batch_size, args.features)
-                F.mse_loss(ddp(x), y).backward()
-                optimizer.step()
+                committed, extra = one_step(drawn)
             except FTError as exc:  # e.g. the lighthouse is down: this step does not commit, try the next
-                log.write("step_error", step=step, error=f"{type(exc).__name__}: {exc}"[:500])
+                log.write("step_error", step=manager.current_step(), error=f"{type(exc).__name__}: {exc}"[:500])
                 time.sleep(0.2)
                 continue
-            if optimizer.committed:
+            if committed:
                 quorum = recorder.last_quorum
-                log.write("step", step=manager.current_step(), digest=state_digest(model, inner),
+                log.write("step", step=manager.current_step(), digest=state_digest(model, *inners),
                           participants=manager.num_participants(), quorum_id=quorum.get("quorum_id"),
-                          replica_ids=quorum.get("replica_ids"), healed=bool(quorum.get("heal")))
+                          replica_ids=quorum.get("replica_ids"), healed=bool(quorum.get("heal")), **extra)
             if args.step_sleep:
                 time.sleep(args.step_sleep)
         log.write("exit", step=manager.current_step())
     finally:
         manager.shutdown(wait=False)
         log.close()
+        del group_store
     return 0
 
 
