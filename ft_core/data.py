@@ -1,18 +1,40 @@
-"""Data sharding across replica groups and the ranks inside each group.
+"""Training data across replica groups: the static shard, and exactly-once data under faults.
 
-Policy for a dead group's shard: each process reads only its own shard, so while a group is
-down its shard is not trained on for those steps (lossy, like torchft). A restarted group
-resumes its own shard at the epoch it is set to; checkpoint the loader per group if the exact
-sample order across restarts matters.
+Without a Manager, `DistributedSampler` is torch's sampler over the (replica group, group rank)
+grid of all processes: while a group is down its shard is not trained on (lossy, like torchft).
+
+With `manager=`, it is exactly-once (docs/data.md). Every group holds the same committed data
+position: the epoch, its seeded order, and which positions of that order are not consumed yet.
+A step's samples are assigned from that position alone: the first `T` unconsumed positions
+(T = participants x group batch, or `global_batch_size`) split in replica-rank order among the
+step's participants, then among each group's ranks. Batches are drawn before the quorum (the
+DataLoader prefetches), so each one is a prediction; after the quorum, `loss_weight()` checks it
+against the assignment, and one small SUM allreduce tells every group which participants held
+their assigned batch. Only those batches are consumed when the step commits; the others (a group
+that died, healed, was a spare or predicted a different quorum) go back and are served first.
+A group whose prediction was wrong multiplies its loss by 0, so no sample is trained twice.
+The position is registered with the Manager: it is healed with the model and checkpointed with
+`state_dict()`.
 """
 
 from __future__ import annotations
 
-from typing import Sized
+import collections
+import dataclasses
+import logging
+import threading
+from collections.abc import Iterator, Sequence, Sized
+from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.utils.data
 
-from ft_core.errors import ConfigError
+from ft_core.errors import ConfigError, FTError
+
+logger = logging.getLogger(__name__)
+
+Ranges = tuple[tuple[int, int], ...]  # sorted, disjoint [start, end) ranges of positions in the epoch's order
 
 
 def global_shard(replica_group_id: int, num_replica_groups: int, group_rank: int,
@@ -28,16 +50,187 @@ def global_shard(replica_group_id: int, num_replica_groups: int, group_rank: int
     return group_rank + num_replicas * replica_group_id, num_replicas * num_replica_groups
 
 
+# ---- the exactly-once rule, as pure functions ---------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class DataPosition:
+    """The committed data position at the start of Manager step `step`: `epoch` and the positions of
+    its order not consumed yet (`size` positions in all)."""
+
+    epoch: int
+    step: int
+    size: int
+    unconsumed: Ranges
+
+    @classmethod
+    def start(cls, epoch: int, step: int, size: int) -> DataPosition:
+        return cls(epoch, step, size, ((0, size),) if size else ())
+
+    def remaining(self) -> int:
+        return sum(end - start for start, end in self.unconsumed)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "step": self.step, "size": self.size,
+                "unconsumed": [x for r in self.unconsumed for x in r]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DataPosition:
+        flat = [int(x) for x in d["unconsumed"]]
+        return cls(int(d["epoch"]), int(d["step"]), int(d["size"]),
+                   tuple((flat[i], flat[i + 1]) for i in range(0, len(flat), 2)))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """How many samples a step takes: `batch_size` per process and `group_world_size` ranks per group,
+    or a constant `global_batch_size` split among the participants."""
+
+    batch_size: int
+    group_world_size: int = 1
+    global_batch_size: int | None = None
+
+    def total(self, num_participants: int) -> int:
+        if self.global_batch_size is not None:
+            return self.global_batch_size
+        return num_participants * self.group_world_size * self.batch_size
+
+
+def _split(count: int, parts: int) -> list[int]:
+    """`count` split in `parts` sizes differing by at most one, the larger first."""
+    q, extra = divmod(count, parts)
+    return [q + (1 if i < extra else 0) for i in range(parts)]
+
+
+def _first(ranges: Ranges, count: int) -> list[int]:
+    out: list[int] = []
+    for start, end in ranges:
+        take = min(end - start, count - len(out))
+        out.extend(range(start, start + take))
+        if len(out) == count:
+            break
+    return out
+
+
+def _remove(ranges: Ranges, positions: Sequence[int]) -> Ranges:
+    """`ranges` without `positions` (each a member of `ranges`)."""
+    drop = sorted(positions)
+    out: list[tuple[int, int]] = []
+    i = 0
+    for start, end in ranges:
+        cur = start
+        while i < len(drop) and drop[i] < end:
+            p = drop[i]
+            if p >= cur:
+                if p > cur:
+                    out.append((cur, p))
+                cur = p + 1
+            i += 1
+        if cur < end:
+            out.append((cur, end))
+    merged: list[tuple[int, int]] = []
+    for r in out:
+        if merged and merged[-1][1] == r[0]:
+            merged[-1] = (merged[-1][0], r[1])
+        else:
+            merged.append(r)
+    return tuple(merged)
+
+
+def step_pieces(pos: DataPosition, num_participants: int, shape: StepShape) -> list[list[tuple[int, ...]]]:
+    """The step's assignment: `[participating rank][group rank]` -> positions of the epoch's order.
+    A step never crosses an epoch: the epoch's last step takes what is left."""
+    if num_participants < 1:
+        return []
+    take = _first(pos.unconsumed, min(shape.total(num_participants), pos.remaining()))
+    pieces: list[list[tuple[int, ...]]] = []
+    at = 0
+    for group_size in _split(len(take), num_participants):
+        ranks = []
+        for rank_size in _split(group_size, shape.group_world_size):
+            ranks.append(tuple(take[at:at + rank_size]))
+            at += rank_size
+        pieces.append(ranks)
+    return pieces
+
+
+def advance(pos: DataPosition, num_participants: int, held: Sequence[bool], shape: StepShape) -> DataPosition:
+    """The position after a committed step: the pieces of participants that held theirs are consumed
+    (`held[r]`); an epoch fully consumed gives way to the next."""
+    pieces = step_pieces(pos, num_participants, shape)
+    used = [p for r, ranks in enumerate(pieces) if r < len(held) and held[r] for piece in ranks for p in piece]
+    left = _remove(pos.unconsumed, used)
+    if not left:
+        return DataPosition.start(pos.epoch + 1, pos.step + 1, pos.size)
+    return DataPosition(pos.epoch, pos.step + 1, pos.size, left)
+
+
+def epoch_order(size: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
+    """The dataset indices of an epoch in training order (the same on every group)."""
+    if not shuffle:
+        return list(range(size))
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    return torch.randperm(size, generator=g).tolist()
+
+
+# ---- the sampler --------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class BatchRecord:
+    """What one process trained on at one step attempt of epoch `epoch` (the committed position's):
+    `valid` when it held its assigned batch (its loss counted; `indices` are then its samples, else
+    empty: a prediction that missed, a non-participant, or the epoch's tail had nothing for it)."""
+
+    step: int
+    epoch: int
+    indices: tuple[int, ...]
+    participating_rank: int | None
+    num_participants: int
+    valid: bool
+    held: tuple[bool, ...]  # per participating rank: held its assigned batch (what the step consumes if it commits)
+    consumed: tuple[int, ...]  # the dataset indices the whole step consumes if it commits (this group rank's column)
+
+
+@dataclasses.dataclass
+class _Drawn:
+    epoch: int
+    positions: tuple[int, ...]
+    indices: tuple[int, ...]
+    num_participants: int  # the step it was drawn for, predicted: all of them hold theirs (unless stale)
+    stale: bool = False  # drawn before a step that went otherwise than predicted: predicted to consume nothing
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outcome:
+    step: int
+    num_participants: int
+    held: tuple[bool, ...]
+
+
 class DistributedSampler(torch.utils.data.distributed.DistributedSampler):
-    """torch's DistributedSampler over the (replica group, group rank) grid of all processes.
+    """torch's DistributedSampler over the (replica group, group rank) grid of all processes; with
+    `manager=` the exactly-once batch sampler of the module docstring.
 
     `replica_rank` is torchft's name for the replica group's index (`replica_group_id` here; in ft-lightning
     `replica_rank` is a group's position in the quorum); both spellings are accepted.
+
+    Exactly-once use (each yielded item is a batch: pass it as `DataLoader(batch_sampler=...)`):
+
+        sampler = DistributedSampler(ds, replica_rank=g, num_replica_groups=G, manager=manager, batch_size=32)
+        loader = DataLoader(ds, batch_sampler=sampler, num_workers=2)
+        while sampler.epoch < epochs:
+            for batch in loader:
+                manager.start_quorum()
+                loss = model(batch).mean() * sampler.loss_weight()   # once per step, before backward
+                loss.backward()
+                ...should_commit / optimizer.step
     """
 
     def __init__(self, dataset: Sized, replica_rank: int | None = None, num_replica_groups: int | None = None,
                  group_rank: int = 0, num_replicas: int = 1, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False, *, replica_group_id: int | None = None) -> None:
+                 drop_last: bool = False, *, replica_group_id: int | None = None, manager: Any = None,
+                 batch_size: int | None = None, global_batch_size: int | None = None,
+                 state_key: str = "data") -> None:
         if (replica_rank is None) == (replica_group_id is None) or num_replica_groups is None:
             raise ConfigError("DistributedSampler needs num_replica_groups and the replica group's index: "
                               "replica_group_id= (or torchft's replica_rank=), not both")
@@ -49,6 +242,228 @@ class DistributedSampler(torch.utils.data.distributed.DistributedSampler):
         self.group_rank = group_rank
         self.group_world_size = num_replicas
         super().__init__(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        self._manager = manager
+        if manager is None:
+            if global_batch_size is not None:
+                raise ConfigError("global_batch_size needs the exactly-once sampler: pass manager= as well")
+            return
+        if drop_last:
+            raise ConfigError("drop_last=True drops samples; the exactly-once sampler (manager=) trains every "
+                              "sample once per epoch, so leave drop_last=False")
+        if batch_size is None and global_batch_size is None:
+            raise ConfigError("the exactly-once sampler (manager=) yields batches: pass batch_size= (per process) "
+                              "or global_batch_size=, and give it to DataLoader(batch_sampler=...)")
+        if global_batch_size is not None and global_batch_size < num_replicas:
+            raise ConfigError(f"global_batch_size={global_batch_size} is smaller than the {num_replicas} ranks "
+                              f"of a replica group; use at least one sample per rank")
+        if batch_size is not None and batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        self.shape = StepShape(batch_size or 1, num_replicas, global_batch_size)
+        self._size = len(dataset)  # type: ignore[arg-type]
+        if self._size == 0:
+            raise ConfigError("the exactly-once sampler needs a non-empty dataset")
+        self._lock = threading.Lock()
+        self._pos = DataPosition.start(0, int(manager.current_step()), self._size)
+        self._outcome: _Outcome | None = None  # this attempt's consumption, applied once the step commits
+        self._drawn: collections.deque[_Drawn] = collections.deque()  # drawn, not yet checked (in order)
+        self._predict = (0, 1)  # (participating rank, participants) expected next
+        self._target_epoch = 0
+        self._orders: dict[int, list[int]] = {}
+        self.last_batch: BatchRecord | None = None
+        manager.register_state_dict_fn(state_key, self._load_healed, self.state_dict)
+
+    # ---- torch sampler protocol ----
+
+    @property
+    def exactly_once(self) -> bool:
+        return self._manager is not None
+
+    @property
+    def epoch_of_next_batch(self) -> int:
+        """The epoch the next batch belongs to (committed position; `epoch` says the same)."""
+        with self._lock:
+            self._settle()
+            return self._pos.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        if self._manager is None:
+            super().set_epoch(epoch)
+            return
+        with self._lock:
+            self._settle()
+            if epoch > self._pos.epoch and self._pos.remaining() == self._size and self._outcome is None \
+                    and not self._drawn:  # nothing of the current epoch trained yet: start there
+                self._pos = DataPosition.start(epoch, self._pos.step, self._size)
+            # Otherwise an earlier epoch's unconsumed samples are served first (none is lost).
+            self._target_epoch = max(epoch, self._pos.epoch)
+
+    @property  # type: ignore[override]
+    def epoch(self) -> int:
+        """torch's epoch; in exactly-once mode the epoch of the next batch (the committed position's)."""
+        if self.__dict__.get("_manager") is not None:
+            return self.epoch_of_next_batch
+        return self.__dict__.get("_epoch", 0)
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        if self.__dict__.get("_manager") is not None:
+            self.set_epoch(int(value))
+        else:
+            self.__dict__["_epoch"] = int(value)
+
+    def __len__(self) -> int:
+        if self._manager is None:
+            return super().__len__()
+        with self._lock:
+            self._settle()
+            left = self._pos.remaining() if self._pos.epoch >= self._target_epoch else self._size
+        per_step = self.shape.total(1)  # at least one participant's share: an upper bound on the steps left
+        return -(-left // per_step) + 1
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._manager is None:
+            return super().__iter__()
+        return self._batches()
+
+    def _batches(self) -> Iterator[list[int]]:
+        with self._lock:
+            self._settle()
+            if self._outcome is not None and self._manager.current_step() == self._outcome.step:
+                self._outcome = None  # its step did not commit before this pass began: it consumed nothing
+            self._drawn.clear()  # batches a previous pass drew and never trained are abandoned, not owed
+            self._target_epoch = max(self._target_epoch, self._pos.epoch)
+        while True:
+            with self._lock:
+                self._settle()
+                guess = self._predicted_position()
+                if guess.epoch > self._target_epoch:
+                    return
+                rank, n = self._predict
+                pieces = step_pieces(guess, n, self.shape)
+                piece = pieces[min(rank, len(pieces) - 1)][self.group_rank] if pieces else ()
+                order = self._order(guess.epoch)
+                indices = tuple(order[p] for p in piece)
+                self._drawn.append(_Drawn(guess.epoch, piece, indices, n))
+            yield list(indices) if indices else [order[0]]  # an empty share still runs the step (weight 0)
+
+    def _order(self, epoch: int) -> list[int]:
+        order = self._orders.get(epoch)
+        if order is None:
+            order = self._orders[epoch] = epoch_order(self._size, epoch, self.seed, self.shuffle)
+            while len(self._orders) > 2:  # the epoch being checked and the one being drawn
+                del self._orders[min(self._orders)]
+        return order
+
+    def _predicted_position(self) -> DataPosition:
+        """Where the next drawn batch's step will start if every step in flight commits as predicted."""
+        guess = self._pos
+        if self._outcome is not None:
+            guess = advance(guess, self._outcome.num_participants, self._outcome.held, self.shape)
+        _, n = self._predict
+        for drawn in self._drawn:
+            if not drawn.stale:
+                guess = advance(guess, n, [True] * n, self.shape)
+        return guess
+
+    # ---- the step ----
+
+    def loss_weight(self) -> float:
+        """Check this step's batch against the assignment (after the quorum) and tell the other groups;
+        1.0 if it is this process's assigned batch, else 0.0: multiply the loss by it before backward.
+        Every group in the quorum calls it exactly once per step, after drawing the step's batch."""
+        manager = self._manager
+        if manager is None:
+            return 1.0
+        with self._lock:
+            self._settle()
+            self._outcome = None  # a previous attempt that did not commit consumed nothing
+            if not self._drawn:
+                raise FTError("exactly-once sampler: loss_weight() called but no batch was drawn for this step; "
+                              "call it once per step, after taking the step's batch from the DataLoader")
+            drawn = self._drawn.popleft()
+            pos = self._pos
+        n = int(manager.num_participants())
+        rank = manager.participating_rank()
+        pieces = step_pieces(pos, n, self.shape)
+        held = (rank is not None and rank < len(pieces) and drawn.epoch == pos.epoch
+                and drawn.positions == pieces[rank][self.group_rank])
+        votes = torch.zeros(max(n, 1), dtype=torch.int64)
+        if held and rank is not None:
+            votes[rank] = 1
+        manager.allreduce(votes, dist.ReduceOp.SUM).wait()
+        outcome = _Outcome(pos.step, n, tuple(int(v) > 0 for v in votes.tolist()[:n]))
+        with self._lock:
+            self._outcome = outcome
+            if drawn.stale:
+                as_predicted = not any(outcome.held)
+            else:
+                as_predicted = all(outcome.held) and n == drawn.num_participants
+            if not as_predicted:
+                # This step went otherwise than the batches drawn after it assumed (a changed quorum, a
+                # heal, a failed step): they are predicted to consume nothing, so the next draws land
+                # where the steps after them will start. Groups with the same loader have as many
+                # batches in flight and see the same outcome, so their predictions meet again.
+                for later in self._drawn:
+                    later.stale = True
+            if rank is not None:
+                self._predict = (rank, n)
+            else:  # healing or spare: next step it most likely takes part after the current ones
+                self._predict = (n, n + 1)
+        real = held and bool(drawn.positions)
+        order = self._order(pos.epoch)
+        consumed = tuple(order[p] for r, ranks in enumerate(pieces) if outcome.held[r]
+                         for p in ranks[self.group_rank])
+        self.last_batch = BatchRecord(pos.step, pos.epoch, drawn.indices if real else (), rank, n, real,
+                                      outcome.held, consumed)
+        return 1.0 if real else 0.0
+
+    def _settle(self) -> None:
+        """Apply this attempt's consumption once the Manager has committed its step (lock held)."""
+        out = self._outcome
+        if out is None or self._pos.step != out.step:
+            return
+        if self._manager.current_step() == out.step + 1:
+            self._pos = advance(self._pos, out.num_participants, out.held, self.shape)
+            self._outcome = None
+
+    # ---- state ----
+
+    def state_dict(self) -> dict[str, Any]:
+        """The committed position (healed to peers, and for durable checkpoints)."""
+        if self._manager is None:
+            return {"epoch": self.epoch, "seed": self.seed}
+        with self._lock:
+            self._settle()
+            return {"position": self._pos.to_dict(), "seed": self.seed, "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from `state_dict()` (a durable checkpoint)."""
+        if self._manager is None:
+            self.set_epoch(int(state["epoch"]))
+            return
+        with self._lock:
+            self._check(state)
+            self._pos = DataPosition.from_dict(state["position"])
+            self._outcome = None
+            self._target_epoch = max(self._target_epoch, self._pos.epoch)
+        logger.info("exactly-once sampler: resumed at epoch %d, step %d, %d samples left in the epoch",
+                    self._pos.epoch, self._pos.step, self._pos.remaining())
+
+    def _load_healed(self, state: dict[str, Any]) -> None:
+        """The source's position at the start of this step; this step's outcome then applies to it."""
+        with self._lock:
+            self._check(state)
+            self._pos = DataPosition.from_dict(state["position"])
+            if self._outcome is not None:
+                self._outcome = dataclasses.replace(self._outcome, step=self._pos.step)
+            self._target_epoch = max(self._target_epoch, self._pos.epoch)
+
+    def _check(self, state: dict[str, Any]) -> None:
+        size = int(state["position"]["size"])
+        if size != self._size or int(state["seed"]) != self.seed or bool(state["shuffle"]) != self.shuffle:
+            raise ConfigError(f"exactly-once sampler state is for a dataset of {size} samples, seed {state['seed']}, "
+                              f"shuffle {state['shuffle']}; this one has {self._size}, {self.seed}, {self.shuffle}: "
+                              f"every group must use the same dataset, seed and shuffle")
 
     @property
     def replica_rank(self) -> int:

@@ -1,5 +1,5 @@
-"""Training data across replica groups: the sampler's shard, and moving a healed group's loader to
-the batch its source is at.
+"""Training data across replica groups: the sampler's shard, moving a healed group's loader to the
+batch its source is at, and the exactly-once loader (ft_core.data, docs/data.md) when enabled.
 
 Sharding: the training sampler spans every process of every replica group (shard
 `replica_group_id * group_world_size + group_rank` of `num_replica_groups * group_world_size`,
@@ -15,10 +15,19 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections.abc import Iterator
 from typing import Any
 
-from torch.utils.data import BatchSampler, DataLoader, Sampler
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+)
 
 from ft_core.data import global_shard
 
@@ -117,3 +126,64 @@ def reposition(trainer: Any, epoch: int, next_batch: int) -> None:
     fit.epoch_loop.batch_progress.is_last_batch = fetcher.done
     logger.info("ft_lightning: training data moved to epoch %d, batch %d (%s)", epoch, next_batch,
                 "skipped in the sampler" if in_sampler else "batches drawn and dropped")
+
+
+# ---- exactly-once training data (ft_core.data, docs/data.md) -------------------------------------
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str, *args: Any) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message, *args)
+
+
+def exactly_once_loader(dataloader: Any, sampler: Any) -> Any:
+    """The training DataLoader rebuilt around the exactly-once batch sampler `sampler` (same dataset,
+    workers and collate function); `dataloader` unchanged when it cannot be (warned once)."""
+    dl = dataloader
+    kwargs: dict[str, Any] = {
+        "batch_sampler": sampler, "num_workers": dl.num_workers, "collate_fn": dl.collate_fn,
+        "pin_memory": dl.pin_memory, "timeout": dl.timeout, "worker_init_fn": dl.worker_init_fn,
+        "multiprocessing_context": dl.multiprocessing_context, "generator": dl.generator,
+        "persistent_workers": dl.persistent_workers, "pin_memory_device": dl.pin_memory_device,
+    }
+    if dl.num_workers > 0:
+        kwargs["prefetch_factor"] = dl.prefetch_factor
+    if dl.drop_last:
+        _warn_once("drop_last", "ft_lightning: exactly-once data trains every sample once per epoch; the training "
+                                "loader's drop_last=True is ignored")
+    return DataLoader(dl.dataset, **kwargs)
+
+
+def exactly_once_unsupported(dataloader: Any) -> str | None:
+    """Why this training loader cannot be given the exactly-once sampler, or None."""
+    if not isinstance(dataloader, DataLoader):
+        return f"the training data is a {type(dataloader).__name__}, not a torch DataLoader"
+    if isinstance(dataloader.dataset, IterableDataset):
+        return ("the training dataset is an IterableDataset: it has no indices to assign, so each group reads its "
+                "own stream (lossy under faults, as without exactly-once); use a map-style dataset")
+    if dataloader.batch_size is None:
+        return ("the training loader has its own batch_sampler, which chooses the samples itself; pass batch_size= "
+                "and sampler= (or shuffle=) instead")
+    return None
+
+
+def sampler_settings(dataloader: Any) -> tuple[bool, int]:
+    """(shuffle, seed) of the loader's sampler, as Lightning's injected DistributedSampler has them."""
+    sampler = dataloader.sampler
+    if isinstance(sampler, DistributedSampler):
+        return bool(sampler.shuffle), int(sampler.seed)
+    return isinstance(sampler, RandomSampler), int(os.environ.get("PL_GLOBAL_SEED", "0"))
+
+
+def scale_loss(output: Any, weight: float) -> Any:
+    """A training_step output with its loss multiplied by `weight` (a batch that must not count: 0)."""
+    if weight == 1.0 or output is None:
+        return output
+    if isinstance(output, torch.Tensor):
+        return output * weight
+    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+        return {**output, "loss": output["loss"] * weight}
+    return output

@@ -17,11 +17,15 @@ that crosses groups goes through the Manager:
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable
 from typing import Any
 
+from ft_core import settings as ft_settings
+from ft_core.data import DistributedSampler as ExactlyOnceSampler
 from ft_core.ddp import register_comm_hook
+from ft_core.errors import ConfigError
 from ft_lightning import _data, _dirs, _progress
 from ft_lightning._common import (
     capture_rng,
@@ -41,14 +45,30 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
 
     Arguments: those of `FTStrategyBase` (each falls back to its FT_* variable), plus
         per_group_dirs: write logs and checkpoints under `replica_group_<id>` (default True).
+        exactly_once: FT_EXACTLY_ONCE, train every sample once per epoch whatever groups die and heal
+            (the training loader gets `ft_core.data.DistributedSampler(manager=...)`; docs/data.md).
+            Default False: a static shard per group, lossy while a group is down.
+        global_batch_size: FT_GLOBAL_BATCH_SIZE, samples per committed step whatever the number of
+            participants (implies exactly_once).
     """
 
     MANAGER_MISSING = ("the fault-tolerant Manager exists once trainer.fit() has set up the strategy "
                        "(it is created in setup_environment, in every process)")
 
-    def __init__(self, lighthouse_addr: str | None = None, *, per_group_dirs: bool = True, **kwargs: Any) -> None:
+    def __init__(self, lighthouse_addr: str | None = None, *, per_group_dirs: bool = True,
+                 exactly_once: bool | None = None, global_batch_size: int | None = None, **kwargs: Any) -> None:
         super().__init__(lighthouse_addr, **kwargs)
         self._per_group_dirs = per_group_dirs
+        self._global_batch_size = ft_settings.value("FT_GLOBAL_BATCH_SIZE", global_batch_size)
+        self._exactly_once = bool(ft_settings.value("FT_EXACTLY_ONCE", exactly_once)) or \
+            self._global_batch_size is not None
+        if self._global_batch_size is not None and self._global_batch_size < 1:
+            raise ConfigError(f"global_batch_size (FT_GLOBAL_BATCH_SIZE) must be >= 1, got {self._global_batch_size}")
+        self._ft_sampler: Any = None
+        self._ft_data_resume: dict[str, Any] | None = None
+        namespace = "pytorch_lightning" if any(c.__module__.startswith("pytorch_lightning")
+                                               for c in type(self).__mro__) else "lightning.pytorch"
+        _dirs.resolve_special_ckpt_paths_per_group(namespace, FaultTolerantTrainerMixin)
         self._window_open = False
         self._window_snapshot: dict[str, Any] | None = None
         self._commit: bool | None = None
@@ -95,6 +115,57 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
             return
         self._manager.register_state_dict_fn("lightning", self._load_healed_state, self._healing_state)
         _progress.gate_step_schedulers(trainer, self._scheduler_may_step)
+        if self._exactly_once:
+            if trainer.accumulate_grad_batches != 1:
+                raise ConfigError(f"exactly-once data assigns one batch per step, but accumulate_grad_batches="
+                                  f"{trainer.accumulate_grad_batches}; use accumulate_grad_batches=1 with a larger "
+                                  f"batch_size (or global_batch_size=), or exactly_once=False")
+            if not self.lightning_module.automatic_optimization:  # type: ignore[attr-defined]
+                raise ConfigError("exactly-once data scales a batch's loss to 0 when it is not the step's "
+                                  "assignment, which needs automatic optimization; use exactly_once=False with "
+                                  "manual optimization")
+
+    # ---- exactly-once training data -------------------------------------------------------------
+
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
+        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        if not self._exactly_once or self._manager is None or trainer is None or trainer.state.stage != "train":
+            return dataloader
+        why = _data.exactly_once_unsupported(dataloader)
+        if why is not None:
+            _data._warn_once("unsupported", "ft_lightning: exactly-once data is off for this run: %s", why)
+            return dataloader
+        assert isinstance(dataloader, _data.DataLoader)
+        if self._ft_sampler is None:
+            shuffle, seed = _data.sampler_settings(dataloader)
+            s = self._ft_settings
+            batch = None if self._global_batch_size is not None else dataloader.batch_size
+            self._ft_sampler = ExactlyOnceSampler(
+                dataloader.dataset, replica_group_id=s.replica_group_id, num_replica_groups=s.num_replica_groups,
+                group_rank=self.global_rank, num_replicas=self.world_size,  # type: ignore[attr-defined]
+                shuffle=shuffle, seed=seed, manager=self._manager, batch_size=batch,
+                global_batch_size=self._global_batch_size)
+            if self._ft_data_resume is not None:
+                self._ft_sampler.load_state_dict(self._ft_data_resume)
+                self._ft_data_resume = None
+        elif len(dataloader.dataset) != self._ft_sampler._size:  # type: ignore[arg-type]
+            raise ConfigError("the reloaded training dataset changed size; exactly-once data needs the same dataset "
+                              "for the whole fit")
+        return _data.exactly_once_loader(dataloader, self._ft_sampler)
+
+    @property
+    def data_sampler(self) -> Any:
+        """The exactly-once training sampler (None when off or before the training loader is set up)."""
+        return self._ft_sampler
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)  # type: ignore[misc]
+        if self._ft_sampler is None or self._manager is None:
+            return output
+        # After the forward (the quorum overlapped it), before backward: a batch that is not this step's
+        # assignment (a prediction the quorum proved wrong) must not train.
+        return _data.scale_loss(output, self._ft_sampler.loss_weight())
 
     def _register_ddp_hooks(self) -> None:
         # Lightning registers comm hooks on CUDA only; ours must run on every device.
@@ -215,16 +286,28 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
         now = _progress.adopt(trainer, state["loops"], before)
         epoch = now["epoch"]["current"]["processed"]
         next_batch = now["batch"]["current"]["ready"]
-        if (epoch, next_batch) != (local["epoch"]["current"]["processed"], local["batch"]["current"]["ready"]):
+        moved = (epoch, next_batch) != (local["epoch"]["current"]["processed"], local["batch"]["current"]["ready"])
+        if moved and self._ft_sampler is None:  # the exactly-once sampler heals its own position
             _data.reposition(trainer, epoch, next_batch)
+        if epoch != local["epoch"]["current"]["processed"]:
+            self._epoch_started(trainer)
         logger.info("ft_lightning: healed to epoch %d, batch %d, global_step %d", epoch, next_batch - 1,
                     trainer.global_step)
+
+    def _epoch_started(self, trainer: Any) -> None:
+        """A heal moved this group into another epoch: its epoch-start hooks run, as after a resume
+        into that epoch (callbacks first, then the LightningModule, as Lightning orders them)."""
+        call = importlib.import_module(type(trainer).__module__.rsplit(".", 1)[0] + ".call")
+        call._call_callback_hooks(trainer, "on_train_epoch_start")
+        call._call_lightning_module_hook(trainer, "on_train_epoch_start")
 
     # ---- checkpoints and teardown --------------------------------------------------------------
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if self._manager is not None:
             checkpoint["ft_manager"] = dict(self._manager.state_dict())
+        if self._ft_sampler is not None:
+            checkpoint["ft_data"] = self._ft_sampler.state_dict()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -234,6 +317,12 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
             self._manager.load_state_dict(saved)
             logger.info("ft_lightning: resumed the Manager at step %d from %s", self._manager.current_step(),
                         checkpoint_path)
+        data = checkpoint.get("ft_data")
+        if data is not None and self._exactly_once:
+            if self._ft_sampler is not None:
+                self._ft_sampler.load_state_dict(data)
+            else:  # applied when the training loader is set up
+                self._ft_data_resume = data
         return checkpoint
 
     def teardown(self) -> None:

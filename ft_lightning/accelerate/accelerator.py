@@ -33,7 +33,12 @@ from ft_core.errors import ConfigError
 from ft_core.manager import Manager, WorldSizeMode
 from ft_core.process_groups import ProcessGroupDelegate, ProcessGroupGloo, ProcessGroupNCCL
 from ft_lightning.accelerate.plugin import FaultTolerancePlugin
-from ft_lightning.accelerate.state import check_transport_safe, load_rng_state, rng_state
+from ft_lightning.accelerate.state import (
+    EpochAlignedLoader,
+    check_transport_safe,
+    load_rng_state,
+    rng_state,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +110,7 @@ class FaultTolerantAccelerator(Accelerator):
                               f"(single process, multi-CPU, multi-GPU); {self.distributed_type} is not supported: "
                               f"launch without FSDP/DeepSpeed/Megatron/XLA")
         self._ft_window = _Window()
+        self._ft_loaders: list[EpochAlignedLoader] = []
         self._ft_counts = {"model": 0, "optimizer": 0, "scheduler": 0, "commits": 0, "skipped": 0}
         self._ft_final_step = 0
         logger.info("replica group %s, group rank %d/%d: %s", self.ft.replica_group_id, self.process_index,
@@ -178,6 +184,8 @@ class FaultTolerantAccelerator(Accelerator):
         if window.quorum_started and window.committed is None:
             return
         self._ft_rng_at_window_start = rng_state()
+        for loader in self._ft_loaders:
+            loader.on_step_start()
         self.ft_manager.start_quorum()
         self._ft_window = _Window(quorum_started=True)
 
@@ -275,14 +283,26 @@ class FaultTolerantAccelerator(Accelerator):
             self._ft_counts["scheduler"] += 1
             self.ft_manager.register_state_dict_fn(f"scheduler_{index}", prepared.load_state_dict,
                                                    prepared.state_dict)
+            step = prepared.step
+
+            def aligned_step(*args: Any, **kwargs: Any) -> Any:
+                # The epochs a heal skips are not stepped: the healed schedule is already past them.
+                if any(loader.aligning for loader in self._ft_loaders):
+                    return None
+                return step(*args, **kwargs)
+
+            prepared.step = aligned_step
         return prepared
 
     def prepare_data_loader(self, data_loader: torch.utils.data.DataLoader, device_placement: bool | None = None,
                             slice_fn_for_dispatch: Any = None) -> Any:
-        """Shard across every process of every replica group: process g*W + r of G*W."""
+        """Shard across every process of every replica group: process g*W + r of G*W. The result keeps a
+        plain `for epoch in range(N)` loop on the job's position after a heal (`EpochAlignedLoader`)."""
+        if isinstance(data_loader, EpochAlignedLoader):
+            return data_loader
         if self.ft.num_replica_groups == 1 or getattr(data_loader, "_is_accelerate_prepared", False):
-            return super().prepare_data_loader(data_loader, device_placement=device_placement,
-                                               slice_fn_for_dispatch=slice_fn_for_dispatch)
+            return self._ft_aligned(super().prepare_data_loader(data_loader, device_placement=device_placement,
+                                                                slice_fn_for_dispatch=slice_fn_for_dispatch))
         if self.dispatch_batches:
             raise ConfigError("dispatch_batches=True (one process loads and sends batches) cannot shard across "
                               "replica groups; use DataLoaderConfiguration(dispatch_batches=False)")
@@ -298,7 +318,14 @@ class FaultTolerantAccelerator(Accelerator):
             non_blocking=self.non_blocking, use_stateful_dataloader=self.use_stateful_dataloader,
             torch_device_mesh=self._prepare_device_mesh())
         self._dataloaders.append(prepared)
-        return prepared
+        return self._ft_aligned(prepared)
+
+    def _ft_aligned(self, prepared: Any) -> EpochAlignedLoader:
+        loader = EpochAlignedLoader(prepared)
+        self.ft_manager.register_state_dict_fn(f"loader_{len(self._ft_loaders)}", loader.load_state_dict,
+                                               loader.state_dict)
+        self._ft_loaders.append(loader)
+        return loader
 
     # --- healing of other state ---------------------------------------------------------------------------
 

@@ -92,3 +92,116 @@ def _numpy_key(value: Any) -> np.ndarray:
 def _byte_tensor(value: Any) -> torch.Tensor:
     return value.to(device="cpu", dtype=torch.uint8) if isinstance(value, torch.Tensor) else \
         torch.tensor(value, dtype=torch.uint8)
+
+
+class EpochAlignedLoader:
+    """A prepared training DataLoader that keeps a plain `for epoch in range(N): for batch in loader:`
+    loop on the job's position after a heal.
+
+    It counts its passes (epochs) and the batches yielded in the current pass. A healing group
+    receives the source's counts (`state_dict`, taken at the start of the step) and, once it has
+    loaded them, its loop lands where the source is: the current pass ends at once, the passes the
+    source already finished are empty, and the source's pass resumes after its batch. While the loop
+    is being brought there (`aligning`), the accelerator's schedulers do not step, so epoch-level
+    `scheduler.step()` calls of the skipped epochs do not advance the healed schedule. Every other
+    attribute is the prepared loader's.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self._ft_inner = inner
+        self.passes = 0  # passes (epochs) ended
+        self.batch = 0  # batches yielded in the current pass
+        self.training = False  # a training step ran while this loader was being iterated
+        self._iterating = False
+        self._window: tuple[int, int] = (0, 0)  # (passes, batch) at the start of the current step
+        self._target: tuple[int, int] | None = None
+        self._cut = False  # the current pass was ended early to reach the source's pass
+
+    def __getattr__(self, name: str) -> Any:
+        inner = self.__dict__.get("_ft_inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    def __len__(self) -> int:
+        return len(self._ft_inner)
+
+    @property
+    def aligning(self) -> bool:
+        """Between the end of the healed step's pass, cut short, and the start of the source's pass."""
+        return self._cut
+
+    def on_step_start(self) -> None:
+        if self._iterating:
+            self.training = True
+        self._window = (self.passes, self.batch)
+
+    def state_dict(self) -> dict[str, int]:
+        passes, batch = self._window
+        return {"passes": passes, "batch": batch, "training": int(self.training)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """The source's position at the start of this step, shifted by the batches this group drew since."""
+        if not int(state.get("training", 0)) or not self.training:
+            return
+        passes, batch = self._window
+        target = (int(state["passes"]), int(state["batch"]) + (self.batch - batch if self.passes == passes else 0))
+        if target != (self.passes, self.batch):
+            self._target = target
+
+    def __iter__(self) -> Any:
+        inner = self._ft_inner
+        target = self._target
+        skip = 0
+        if target is not None:
+            if self.passes < target[0]:  # a pass the source already finished: empty
+                self.passes += 1
+                return
+            self._target = None
+            self._cut = False
+            if self.passes == target[0]:
+                skip = target[1]
+                if hasattr(inner, "iteration"):
+                    inner.iteration = target[0]  # the same shuffle as the source's pass
+        self._iterating = True
+        self.batch = 0
+        it = iter(inner)
+        finished = False
+        try:
+            for batch in it:
+                if self.batch < skip:
+                    self.batch += 1
+                    continue
+                self.batch += 1
+                yield batch
+                if self._target is not None:  # healed during that step: bring the loop to the source
+                    if self._target[0] == self.passes:
+                        self._catch_up(it)
+                        if self._target is None:
+                            continue
+                    self._cut = True
+                    break
+            else:
+                finished = True
+        finally:
+            self._iterating = False
+            self.passes += 1
+            self.batch = 0
+            if not finished:  # a pass cut short: leave Accelerate's gradient state as a finished pass does
+                close = getattr(it, "close", None)
+                if callable(close):
+                    close()
+                end = getattr(inner, "end", None)
+                if callable(end):  # Accelerate's DataLoaderShard: drop it from the gradient state (idempotent)
+                    end()
+
+    def _catch_up(self, it: Any) -> None:
+        """Healed into the same pass: drop batches up to the source's next one."""
+        assert self._target is not None
+        while self.batch < self._target[1]:
+            try:
+                next(it)
+            except StopIteration:
+                break
+            self.batch += 1
+        self._target = None

@@ -1,0 +1,140 @@
+"""One replica group (one process, or one rank under torchrun) training with the core API and the
+exactly-once sampler, writing a ledger line for every step attempt (tests/test_data_ledger.py).
+
+Each line: {"kind": "attempt", step, epoch, indices, rank, n, valid, held, consumed} right after
+`loss_weight()` (before the gradient allreduce, so a group killed later in the step still has it),
+then {"kind": "outcome", committed} after the vote. A durable checkpoint (manager + sampler + model)
+is written every `--save-every` committed steps when `--save` is given, and loaded at start with `--resume`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ft_core.data import DistributedSampler
+from ft_core.ddp import DistributedDataParallel
+from ft_core.manager import Manager
+from ft_core.optim import OptimizerWrapper
+from ft_core.process_groups import ProcessGroupGloo
+
+
+class Indexed(torch.utils.data.Dataset):
+    """Sample i is (features derived from i, i): the ledger reads the index back from the batch."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.full((4,), float(i % 17) / 17.0), i
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ledger", required=True)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--size", type=int, default=240)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--global-batch-size", type=int, default=None)
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--save", default=None, help="durable checkpoint path (rank suffix added)")
+    p.add_argument("--save-every", type=int, default=5)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--stop-at-step", type=int, default=None, help="exit cleanly once this step is committed")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    group = int(os.environ["REPLICA_GROUP_ID"])
+    groups = int(os.environ["NUM_REPLICA_GROUPS"])
+    if world > 1:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    inner = torch.optim.SGD(model.parameters(), lr=0.01)
+    manager = Manager(ProcessGroupGloo(timeout=timedelta(seconds=5)),
+                      load_state_dict=lambda s: (model.load_state_dict(s["model"]), inner.load_state_dict(s["optim"])),
+                      state_dict=lambda: {"model": model.state_dict(), "optim": inner.state_dict()},
+                      timeout=timedelta(seconds=5), quorum_timeout=timedelta(seconds=60),
+                      replica_id=f"group{group}", rank=rank, world_size=world)
+    ddp = DistributedDataParallel(manager, model)
+    optimizer = OptimizerWrapper(manager, inner)
+    dataset = Indexed(args.size)
+    sampler = DistributedSampler(dataset, replica_rank=group, num_replica_groups=groups, group_rank=rank,
+                                 num_replicas=world, seed=7, manager=manager,
+                                 batch_size=None if args.global_batch_size else args.batch_size,
+                                 global_batch_size=args.global_batch_size)
+    save_path = f"{args.save}.r{rank}" if args.save else None
+    if args.resume and save_path and os.path.exists(save_path):
+        ckpt = torch.load(save_path, weights_only=True)
+        manager.load_state_dict(ckpt["manager"])
+        sampler.load_state_dict(ckpt["sampler"])
+        model.load_state_dict(ckpt["model"])
+        inner.load_state_dict(ckpt["optim"])
+    # Workers are spawned, not forked: the Manager's gRPC threads make fork() unsafe.
+    extra = {"multiprocessing_context": "spawn", "persistent_workers": True} if args.workers else {}
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=args.workers, **extra)
+    ledger = open(args.ledger.format(rank=rank), "a", buffering=1)  # noqa: SIM115 (open until exit)
+
+    def fingerprint() -> str:
+        """The committed data position, as a short digest (links a step to the one before it)."""
+        return hashlib.sha1(json.dumps(sampler.state_dict()["position"]).encode()).hexdigest()[:16]
+
+    ledger.write(json.dumps({"kind": "start", "step": manager.current_step(), "epoch": sampler.epoch,
+                             "position": fingerprint()}) + "\n")
+
+    def done() -> bool:
+        if args.stop_at_step is not None and manager.current_step() >= args.stop_at_step:
+            return True
+        return sampler.epoch >= args.epochs
+
+    while not done():
+        for x, idx in loader:
+            optimizer.zero_grad()  # starts the quorum
+            before = fingerprint()
+            weight = sampler.loss_weight()
+            rec = sampler.last_batch
+            assert rec is not None
+            if rec.valid:
+                assert sorted(idx.tolist()) == sorted(rec.indices), (idx.tolist(), rec.indices)
+            ledger.write(json.dumps({"kind": "attempt", "step": rec.step, "epoch": rec.epoch,
+                                     "indices": list(rec.indices), "rank": rec.participating_rank,
+                                     "n": rec.num_participants, "valid": rec.valid, "held": list(rec.held),
+                                     "consumed": list(rec.consumed), "batch": len(idx), "before": before}) + "\n")
+            loss = ddp(x).pow(2).mean() * weight
+            loss.backward()
+            optimizer.step()  # votes; steps only on commit
+            ledger.write(json.dumps({"kind": "outcome", "committed": bool(optimizer.committed),
+                                     "step": manager.current_step(), "after": fingerprint()}) + "\n")
+            if save_path and optimizer.committed and manager.current_step() % args.save_every == 0:
+                tmp = f"{save_path}.{os.getpid()}.tmp"  # every group writes the same file: one tmp each
+                torch.save({"manager": manager.state_dict(), "sampler": sampler.state_dict(),
+                            "model": model.state_dict(), "optim": inner.state_dict()}, tmp)
+                os.replace(tmp, save_path)
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+            if done():
+                break
+    ledger.write(json.dumps({"kind": "done", "step": manager.current_step(), "epoch": sampler.epoch,
+                             "position": fingerprint()}) + "\n")
+    manager.shutdown()
+    if world > 1:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""One replica group under `Trainer(strategy=FaultTolerantDDPStrategy(exactly_once=True))` writing the
+same ledger as tests/_data_ledger_worker.py (read by tests/test_data_ledger.py): per step attempt the
+batch the exactly-once sampler checked, whether it counted, and whether the step committed."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import sys
+
+import torch
+
+torch.set_num_threads(1)
+
+import lightning.pytorch as pl
+
+from ft_lightning.strategy import FaultTolerantDDPStrategy
+
+
+class Indexed(torch.utils.data.Dataset):
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.full((4,), float(i % 17) / 17.0), i
+
+
+class Model(pl.LightningModule):
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__()
+        self.args = args
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        x, _ = batch
+        return self.layer(x).pow(2).mean()
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):  # type: ignore[no-untyped-def]
+        return torch.utils.data.DataLoader(Indexed(self.args.size), batch_size=self.args.batch_size, shuffle=True,
+                                           num_workers=self.args.workers,
+                                           multiprocessing_context="spawn" if self.args.workers else None,
+                                           persistent_workers=bool(self.args.workers))
+
+
+class Ledger(pl.Callback):
+    def __init__(self, path: str, strategy: FaultTolerantDDPStrategy, sleep: float) -> None:
+        self.file = open(path, "a", buffering=1)  # noqa: SIM115 (open until exit)
+        self.strategy = strategy
+        self.sleep = sleep
+        self.before = ""
+
+    def fingerprint(self) -> str:
+        position = self.strategy.data_sampler.state_dict()["position"]
+        return hashlib.sha1(json.dumps(position).encode()).hexdigest()[:16]
+
+    def write(self, row: dict) -> None:
+        self.file.write(json.dumps(row) + "\n")
+
+    def on_train_start(self, trainer, pl_module):  # type: ignore[no-untyped-def]
+        self.write({"kind": "start", "step": self.strategy.manager.current_step(), "position": self.fingerprint()})
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
+        self.before = self.fingerprint()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
+        rec = self.strategy.data_sampler.last_batch
+        if rec.valid:
+            assert sorted(batch[1].tolist()) == sorted(rec.indices), (batch[1].tolist(), rec.indices)
+        self.write({"kind": "attempt", "step": rec.step, "epoch": rec.epoch, "indices": list(rec.indices),
+                    "rank": rec.participating_rank, "n": rec.num_participants, "valid": rec.valid,
+                    "held": list(rec.held), "consumed": list(rec.consumed), "before": self.before})
+        self.write({"kind": "outcome", "committed": bool(self.strategy._commit),
+                    "step": self.strategy.manager.current_step(), "after": self.fingerprint()})
+        if self.sleep:
+            import time
+
+            time.sleep(self.sleep)
+
+    def on_train_end(self, trainer, pl_module):  # type: ignore[no-untyped-def]
+        self.write({"kind": "done", "step": self.strategy.manager.current_step(),
+                    "epoch": self.strategy.data_sampler.epoch, "position": self.fingerprint()})
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ledger", required=True)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--size", type=int, default=240)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    pl.seed_everything(0, verbose=False)
+    strategy = FaultTolerantDDPStrategy(exactly_once=True, timeout=5.0, quorum_timeout=60.0,
+                                        replica_id=f"group{os.environ['REPLICA_GROUP_ID']}")
+    ledger = Ledger(args.ledger.format(rank=0), strategy, args.step_sleep)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=args.epochs, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         callbacks=[ledger])
+    trainer.fit(Model(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

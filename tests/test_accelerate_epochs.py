@@ -1,0 +1,53 @@
+"""The typical Accelerate loop, `for epoch in range(N): for batch in loader:` with an epoch-level
+scheduler, under a kill and restart: the restarted group heals into the job's epoch and batch (its
+loader ends the healed epochs; its scheduler does not step for them) and ends identical to the
+survivor, at the same step, instead of re-running every epoch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO_ROOT, child_env
+
+from ft_core.control.lighthouse import LighthouseServer
+
+WORKER = os.path.join(REPO_ROOT, "tests", "_accelerate_epochs_worker.py")
+
+
+def start(processes, tmp_path, lighthouse: str, group: int, name: str, *extra: str) -> subprocess.Popen:
+    env = child_env(FT_LIGHTHOUSE=lighthouse, REPLICA_GROUP_ID=str(group), NUM_REPLICA_GROUPS="2",
+                    FT_TIMEOUT_SEC="5", FT_QUORUM_TIMEOUT_SEC="60")
+    log = open(os.path.join(str(tmp_path), f"{name}.out"), "w")  # noqa: SIM115 (the child keeps it)
+    return processes.spawn([sys.executable, WORKER, "--events", os.path.join(str(tmp_path), f"{name}.jsonl"),
+                            "--out", os.path.join(str(tmp_path), f"{name}.json"), *extra], env=env, stdout=log,
+                           stderr=subprocess.STDOUT)
+
+
+def text(tmp_path, name: str) -> str:
+    with open(os.path.join(str(tmp_path), name)) as f:
+        return f.read()
+
+
+@pytest.mark.timeout(120)
+def test_plain_epoch_loop_after_kill_and_restart_ends_identical(processes, tmp_path):
+    with LighthouseServer(min_replicas=1, join_timeout_ms=500) as lighthouse:
+        survivor = start(processes, tmp_path, lighthouse.address(), 0, "survivor", "--sleep", "0.5")
+        victim = start(processes, tmp_path, lighthouse.address(), 1, "victim", "--kill-at-step", "10")
+        assert victim.wait(timeout=90) == -9, text(tmp_path, "victim.out")[-3000:]
+        restarted = start(processes, tmp_path, lighthouse.address(), 1, "restarted")
+        assert restarted.wait(timeout=90) == 0, text(tmp_path, "restarted.out")[-3000:]
+        assert survivor.wait(timeout=60) == 0, text(tmp_path, "survivor.out")[-3000:]
+    a = json.loads(text(tmp_path, "survivor.json"))
+    b = json.loads(text(tmp_path, "restarted.json"))
+    rows = [json.loads(line) for line in text(tmp_path, "restarted.jsonl").splitlines()]
+    survivor_epoch = {r["step"]: r["epoch"] for r in map(json.loads, text(tmp_path, "survivor.jsonl").splitlines())}
+    # rows[0] is the healing step (still in the restarted loop's epoch 0); from the next step on, the
+    # plain loop's `epoch` is the survivor's for the same step
+    assert rows[1]["epoch"] >= 1, f"the restarted group should have healed into a later epoch: {rows[:3]}"
+    assert all(r["epoch"] == survivor_epoch[r["step"]] for r in rows[1:]), rows
+    assert (b["step"], b["lr"], b["digest"]) == (a["step"], a["lr"], a["digest"])
+    assert a["step"] == 6 * 8  # 6 epochs of 8 steps (64 samples, 2 groups, batch 4): nothing re-run

@@ -1,0 +1,390 @@
+"""Exactly-once data under faults: the assignment rule as a table and a simulation, then real replica
+groups (processes on loopback) killed and restarted while a ledger records every step attempt.
+
+Ledger check (`check_ledger`): every committed step's consumption is the same on every group that
+committed it; each batch a process trained with weight 1 at a committed step is its assigned piece;
+and each complete epoch's consumed samples cover every index exactly once: 0 lost, 0 duplicated.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO_ROOT, child_env
+
+from ft_core.control.lighthouse import LighthouseServer
+from ft_core.data import DataPosition, StepShape, advance, step_pieces
+
+WORKER = os.path.join(REPO_ROOT, "tests", "_data_ledger_worker.py")
+LIGHTNING_WORKER = os.path.join(REPO_ROOT, "tests", "_lightning_ledger_worker.py")
+
+
+# ---- the rule ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n, shape, remaining, sizes", [
+    (3, StepShape(4), 100, [[4], [4], [4]]),
+    (2, StepShape(2, group_world_size=2), 100, [[2, 2], [2, 2]]),
+    (3, StepShape(4, global_batch_size=12), 100, [[4], [4], [4]]),
+    (2, StepShape(4, global_batch_size=12), 100, [[6], [6]]),
+    (1, StepShape(4, global_batch_size=12), 100, [[12]]),
+    (3, StepShape(4), 7, [[3], [2], [2]]),  # an epoch's tail is shared out, never dropped
+    (3, StepShape(4, group_world_size=2), 3, [[1, 0], [1, 0], [1, 0]]),
+])
+def test_step_pieces_split_the_step_in_rank_order(n, shape, remaining, sizes):
+    pos = DataPosition(0, 0, 100, ((100 - remaining, 100),))
+    pieces = step_pieces(pos, n, shape)
+    assert [[len(p) for p in ranks] for ranks in pieces] == sizes
+    flat = [p for ranks in pieces for piece in ranks for p in piece]
+    assert flat == list(range(100 - remaining, 100 - remaining + len(flat)))  # consecutive, in rank order
+
+
+def test_pieces_not_held_go_back_and_are_served_first():
+    shape = StepShape(2)
+    pos = DataPosition.start(0, 0, 20)
+    after = advance(pos, 3, [True, False, True], shape)
+    assert after.unconsumed == ((2, 4), (6, 20)) and after.step == 1
+    assert step_pieces(after, 2, shape) == [[(2, 3)], [(6, 7)]]
+
+
+def test_random_membership_consumes_every_position_once_per_epoch():
+    rng = random.Random(5)
+    for shape in (StepShape(3), StepShape(2, group_world_size=2), StepShape(1, global_batch_size=7)):
+        pos = DataPosition.start(0, 0, 101)
+        seen: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+        while pos.epoch < 4:
+            n = rng.randint(1, 4)
+            held = [rng.random() < 0.7 for _ in range(n)]
+            pieces = step_pieces(pos, n, shape)
+            if rng.random() < 0.8:  # the step commits
+                for r, ranks in enumerate(pieces):
+                    if held[r]:
+                        seen[pos.epoch].update(p for piece in ranks for p in piece)
+                pos = advance(pos, n, held, shape)
+        assert all(seen[e] == collections.Counter(range(101)) for e in range(4)), shape
+
+
+# ---- real processes ------------------------------------------------------------------------------
+
+class LedgerGroup:
+    def __init__(self, processes, tmp_path, group: int, groups: int, lighthouse: str, args: list[str],
+                 nproc: int = 1, worker: str = WORKER) -> None:
+        self.processes, self.tmp, self.group, self.groups = processes, str(tmp_path), group, groups
+        self.worker = worker
+        self.lighthouse, self.args, self.nproc = lighthouse, args, nproc
+        self.incarnation = 0
+        self.proc: subprocess.Popen | None = None
+
+    def ledger(self, inc: int | None = None, rank: int | str = "{rank}") -> str:
+        return os.path.join(self.tmp, f"g{self.group}.i{inc or self.incarnation}.r{rank}.jsonl")
+
+    def start(self, extra: list[str] | None = None) -> None:
+        self.incarnation += 1
+        env = child_env(FT_LIGHTHOUSE=self.lighthouse, REPLICA_GROUP_ID=str(self.group),
+                        NUM_REPLICA_GROUPS=str(self.groups))
+        script = [self.worker, "--ledger", self.ledger(), *self.args, *(extra or [])]
+        if self.nproc > 1:
+            argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.nproc}",
+                    "--max-restarts=0", *script]
+        else:
+            argv = [sys.executable, *script]
+        out = open(os.path.join(self.tmp, f"g{self.group}.i{self.incarnation}.out"), "w")  # noqa: SIM115 (the child keeps it)
+        self.proc = self.processes.spawn(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def outcomes(self) -> int:
+        return len(self._rows("outcome"))
+
+    def epoch(self) -> int:
+        """The epoch of this incarnation's last step attempt (-1 before the first)."""
+        rows = self._rows("attempt")
+        return rows[-1]["epoch"] if rows else -1
+
+    def _rows(self, kind: str) -> list[dict]:
+        path = self.ledger(rank=0)
+        if not os.path.exists(path):
+            return []
+        out = []
+        with open(path) as f:
+            for line in f:
+                if f'"{kind}"' in line:
+                    try:
+                        out.append(json.loads(line))
+                    except json.JSONDecodeError:
+                        pass
+        return out
+
+    def kill(self) -> None:
+        """SIGKILL the group: its process, and the workers torchrun starts in sessions of their own."""
+        assert self.proc is not None
+        workers = descendants(self.proc.pid)
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(timeout=10)
+
+    def output(self) -> str:
+        with open(os.path.join(self.tmp, f"g{self.group}.i{self.incarnation}.out")) as f:
+            return f.read()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (from /proc)."""
+    parents: dict[int, list[int]] = collections.defaultdict(list)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents[ppid].append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def read_ledgers(tmp_path) -> list[list[dict]]:
+    """Every ledger file's rows, each tagged with its group rank (`column`: the data order it works on)."""
+    files = []
+    for path in sorted(glob.glob(os.path.join(str(tmp_path), "g*.i*.r*.jsonl"))):
+        column = int(path.rsplit(".r", 1)[1].split(".")[0])
+        rows = []
+        with open(path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # a line cut by SIGKILL
+                    continue
+                row["column"] = column
+                rows.append(row)
+        files.append(rows)
+    return files
+
+
+def check_ledger(tmp_path, size: int, columns: int = 1) -> dict[int, dict[str, int]]:
+    """Per epoch of the job's surviving history: samples lost and duplicated (asserted 0 for every
+    complete epoch), and steps. The history is walked back from the finished groups' position: each
+    committed step links the position before it to the one after (a step a lone group committed
+    before it died, and nobody else saw, is not part of it)."""
+    per_epoch: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    steps: collections.Counter = collections.Counter()
+    final_epoch = 0
+    files = read_ledgers(tmp_path)
+    for column in range(columns):
+        attempts, by_after, finals = [], {}, set()
+        for rows in files:
+            pending = None
+            for row in rows:
+                if row["column"] != column:
+                    break
+                if row["kind"] == "attempt":
+                    pending = row
+                    attempts.append(row)
+                elif row["kind"] == "outcome" and pending is not None:
+                    if row["committed"] and pending["rank"] is not None:  # a participant: it was in sync
+                        pending["after"] = row["after"]
+                        links = by_after.setdefault(row["after"], [])
+                        if all(link["before"] != pending["before"] for link in links):
+                            links.append(pending)
+                        else:  # groups that committed one step agree on its consumption
+                            same = next(link for link in links if link["before"] == pending["before"])
+                            assert same["consumed"] == pending["consumed"], (same, pending)
+                    pending = None
+                elif row["kind"] == "done":
+                    finals.add(row["position"])
+                    final_epoch = row["epoch"]
+        assert len(finals) == 1, f"column {column}: groups finished at different data positions {finals}"
+        lineage = _history(by_after, finals.pop())
+        assert lineage is not None, f"column {column}: no history of committed steps reaches step 0"
+        assert [r["step"] for r in lineage] == list(range(len(lineage))), "a step is missing from the history"
+        at_step = {r["step"]: r for r in lineage}
+        for row in attempts:  # whatever was trained with weight 1 at a step of the history is that step's
+            ref = at_step.get(row["step"])
+            if row["valid"] and ref is not None and row["before"] == ref["before"] and row["n"] == ref["n"] \
+                    and row["held"] == ref["held"]:
+                assert set(row["indices"]) <= set(ref["consumed"]), \
+                    f"trained {row['indices']} at step {row['step']} outside its consumption {ref['consumed']}"
+        for r in lineage:
+            per_epoch[r["epoch"]].update(r["consumed"])
+            steps[r["epoch"]] += 1
+    verdict = {}
+    for epoch in sorted(per_epoch):
+        counts = per_epoch[epoch]
+        lost = [i for i in range(size) if counts[i] == 0]
+        dup = [i for i in range(size) if counts[i] > 1]
+        verdict[epoch] = {"lost": len(lost), "duplicated": len(dup), "steps": steps[epoch] // columns}
+        assert not dup, f"epoch {epoch}: samples trained twice: {dup[:10]}"
+        if epoch < final_epoch:  # a complete epoch
+            assert not lost, f"epoch {epoch}: samples never trained: {lost[:10]}"
+    return verdict
+
+
+def _history(by_after: dict[str, list[dict]], fp: str) -> list[dict] | None:
+    """A chain of committed steps from step 0 to position `fp` (two histories may meet at one
+    position: a set of unconsumed samples; either is exact if the rule is)."""
+    chain: list[dict] = []
+    while True:
+        links = by_after.get(fp, [])
+        if not links:
+            return list(reversed(chain)) if chain and chain[-1]["step"] == 0 else None
+        if len(links) == 1:
+            chain.append(links[0])
+            fp = links[0]["before"]
+            continue
+        for link in links:
+            rest = _history(by_after, link["before"]) if link["step"] > 0 else []
+            if rest is not None:
+                return rest + [link] + list(reversed(chain))
+        return None
+
+
+def run_with_kills(processes, tmp_path, *, groups: int = 3, kills: int = 10, args: list[str],
+                   nproc: int = 1, timeout: float = 100.0, kill_before_epoch: int = 4,
+                   worker: str = WORKER) -> list[LedgerGroup]:
+    """Start the groups, SIGKILL and restart one every 0.2-0.6 s (never the last one training) until
+    `kills`, all before epoch `kill_before_epoch` (the epochs after it let every restart heal: a group
+    restarted once every other has finished would train alone from step 0), then wait for the end."""
+    rng = random.Random(11)
+    with LighthouseServer(min_replicas=1, join_timeout_ms=1000) as lighthouse:
+        gs = [LedgerGroup(processes, tmp_path, g, groups, lighthouse.address(), args, nproc, worker)
+              for g in range(groups)]
+        try:
+            _drive(gs, rng, kills, timeout, kill_before_epoch)
+        finally:
+            for g in gs:
+                if g.proc is not None:
+                    g.kill()
+    return gs
+
+
+def _drive(gs: list[LedgerGroup], rng: random.Random, kills: int, timeout: float, kill_before_epoch: int) -> None:
+    for g in gs:
+        g.start()
+    deadline = time.monotonic() + timeout
+    done = 0
+    while done < kills:
+        assert time.monotonic() < deadline, f"only {done} kills before the deadline"
+        time.sleep(rng.uniform(0.2, 0.6))
+        reached = max(g.epoch() for g in gs)
+        assert reached < kill_before_epoch, f"epoch {reached} reached after only {done} kills; lengthen the job"
+        for g in gs:
+            assert g.proc.poll() in (None, 0), f"group {g.group} exited {g.proc.returncode}:\n{g.output()[-3000:]}"
+        training = [g for g in gs if g.outcomes() >= 2]
+        victims = [g for g in gs if g.outcomes() >= 1 and any(t is not g for t in training)]
+        if not victims:  # the victim must leave at least one group training
+            continue
+        victim = rng.choice(victims)
+        victim.kill()
+        victim.start()
+        done += 1
+    for g in gs:
+        try:
+            code = g.proc.wait(timeout=max(5.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"group {g.group} did not finish:\n{g.output()[-3000:]}") from None
+        assert code == 0, f"group {g.group} exited {code}:\n{g.output()[-3000:]}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("variant, kills, extra, nproc", [
+    ("one process per group", 10, ["--step-sleep", "0.1"], 1),
+    ("num_workers=2", 10, ["--step-sleep", "0.1", "--workers", "2"], 1),
+    # 6 processes on a 2-core machine, and torchrun restarts are slow: fewer kills fit in the time
+    ("2 ranks per group", 4, ["--step-sleep", "0.25"], 2),
+])
+def test_core_api_ledger_three_groups_with_kills(processes, tmp_path, variant, kills, extra, nproc):
+    size = 240  # the kills happen in epochs 0-5; epochs 6 and 7 let every restart heal
+    run_with_kills(processes, tmp_path, kills=kills, nproc=nproc, kill_before_epoch=6,
+                   args=["--epochs", "8", "--size", str(size), *extra])
+    verdict = check_ledger(tmp_path, size, columns=nproc)
+    assert sorted(verdict) == list(range(8)), verdict
+    assert all(v["lost"] == 0 and v["duplicated"] == 0 for v in verdict.values()), verdict
+
+
+@pytest.mark.timeout(120)
+def test_lightning_ledger_three_groups_with_kills(processes, tmp_path):
+    """The Trainer strategy with exactly_once=True: the same ledger verdict (Lightning restarts are
+    slower, so fewer kills fit in a test's time)."""
+    size = 240
+    run_with_kills(processes, tmp_path, kills=6, kill_before_epoch=5, timeout=105, worker=LIGHTNING_WORKER,
+                   args=["--epochs", "7", "--size", str(size), "--step-sleep", "0.1"])
+    verdict = check_ledger(tmp_path, size)
+    assert sorted(verdict)[:5] == list(range(5)), verdict
+
+
+@pytest.mark.timeout(120)
+def test_global_batch_size_trains_exactly_g_samples_per_step_through_1_2_3_participants(processes, tmp_path):
+    """global_batch_size=12: every committed step whose participants all held their batch consumes 12
+    samples (an epoch's last step what is left), whatever the number of participants."""
+    size, g = 240, 12
+    run_with_kills(processes, tmp_path, kills=3, kill_before_epoch=4,
+                   args=["--epochs", "6", "--size", str(size), "--step-sleep", "0.3", "--global-batch-size", str(g)])
+    check_ledger(tmp_path, size)
+    files = read_ledgers(tmp_path)
+    epoch_of = {r["step"]: r["epoch"] for rows in files for r in rows if r["kind"] == "attempt" and r["rank"] is not None}
+    seen = collections.Counter()
+    for rows in files:
+        pending = None
+        for row in rows:
+            if row["kind"] == "attempt":
+                pending = row
+            elif row["kind"] == "outcome" and pending is not None:
+                if row["committed"] and pending["rank"] is not None and all(pending["held"]):
+                    last_of_epoch = epoch_of.get(pending["step"] + 1, pending["epoch"] + 1) > pending["epoch"]
+                    assert len(pending["consumed"]) == g or (last_of_epoch and len(pending["consumed"]) < g), pending
+                    seen[pending["n"]] += 1
+                pending = None
+    assert {1, 2, 3} <= set(seen), f"participants seen in fully held steps: {dict(seen)}"
+
+
+@pytest.mark.timeout(120)
+def test_every_group_killed_at_once_resumes_from_the_durable_checkpoint(processes, tmp_path):
+    """Kill all three groups at once, restart them from their last durable checkpoint (Manager step +
+    sampler position + model): training resumes at that step and data position, and the history from
+    there loses and repeats nothing (the epoch it resumed in included)."""
+    size = 240
+    args = ["--epochs", "3", "--size", str(size), "--step-sleep", "0.05", "--save", os.path.join(str(tmp_path), "ckpt"),
+            "--save-every", "7", "--resume"]
+    with LighthouseServer(min_replicas=3, join_timeout_ms=5000) as lighthouse:
+        gs = [LedgerGroup(processes, tmp_path, g, 3, lighthouse.address(), args) for g in range(3)]
+        try:
+            for g in gs:
+                g.start()
+            deadline = time.monotonic() + 60
+            while not all(os.path.exists(os.path.join(str(tmp_path), "ckpt.r0")) and g.outcomes() >= 25 for g in gs):
+                assert time.monotonic() < deadline, "no durable checkpoint written"
+                time.sleep(0.1)
+            for g in gs:
+                g.kill()
+            with open(os.path.join(str(tmp_path), "ckpt.r0"), "rb") as f:
+                import torch
+
+                saved = torch.load(f, weights_only=True)
+            for g in gs:
+                g.start()
+            for g in gs:
+                assert g.proc.wait(timeout=90) == 0, g.output()[-3000:]
+        finally:
+            for g in gs:
+                g.kill()
+    resumed = saved["manager"]["step"]
+    for g in gs:
+        start = g._rows("start")[0]
+        assert start["step"] == resumed, (start, resumed)
+    verdict = check_ledger(tmp_path, size)
+    assert sorted(verdict) == [0, 1, 2], verdict
