@@ -17,6 +17,8 @@ _EXPORTS = {
     "DistributedDataParallel": "ft_core.ddp",
     "OptimizerWrapper": "ft_core.optim",
     "DistributedSampler": "ft_core.data",
+    "LocalSGD": "ft_core.local_sgd",
+    "DiLoCo": "ft_core.local_sgd",
     "LighthouseServer": "ft_core.control.lighthouse",
     "LighthouseClient": "ft_core.control.lighthouse_client",
     "ManagerServer": "ft_core.control.manager_server",

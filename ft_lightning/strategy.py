@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from lightning.pytorch.strategies import DDPStrategy
 
+from ft_lightning._diloco import FaultTolerantDiLoCoStrategy
 from ft_lightning._registration import register
 from ft_lightning._trainer_strategy import FaultTolerantTrainerMixin
 
-__all__ = ["FaultTolerantDDPStrategy"]
+__all__ = ["FaultTolerantDDPStrategy", "FaultTolerantDiLoCoStrategy"]  # "fault_tolerant_diloco": see _diloco
 
 
 class FaultTolerantDDPStrategy(FaultTolerantTrainerMixin, DDPStrategy):

@@ -17,7 +17,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
+from ft_core.checkpointing.dtensor_wire import MeshCache, build_dtensor
 from ft_core.checkpointing.wire import (
     CRC,
     DIGEST,
@@ -133,7 +135,7 @@ class Plan:
                     visit(value, path + (index,), depth + 1)
             elif type(node) is dict:
                 tag = node.get("$")
-                if tag == "tensor" and type(node.get("i")) is int:
+                if tag in ("tensor", "dtensor") and type(node.get("i")) is int:
                     found.setdefault(node["i"], path)
                 elif tag == "tuple" and type(node.get("v")) is list:
                     for index, value in enumerate(node["v"]):
@@ -153,7 +155,7 @@ class Plan:
         tensors = [overrides[i] if overrides and i in overrides else make_tensor(spec, buffers)
                    for i, spec in enumerate(self.tensors)]
         arrays = [_make_array(spec, buffers) for spec in self.arrays]
-        return _build_node(self.tree, tensors, arrays, buffers, 0)
+        return _build_node(self.tree, tensors, arrays, buffers, 0, MeshCache())
 
 
 def _writable_view(buffer: Any) -> memoryview:
@@ -182,29 +184,34 @@ def _make_array(spec: ArraySpec, buffers: list[Any]) -> np.ndarray:
     return flat.view(spec.dtype).reshape(spec.shape)
 
 
-def _build_node(node: Any, tensors: list, arrays: list, buffers: list, depth: int) -> Any:
+def _build_node(node: Any, tensors: list, arrays: list, buffers: list, depth: int,
+                meshes: MeshCache | None = None) -> Any:
     if depth > MAX_DEPTH:
         raise _bad(f"the tree is nested deeper than {MAX_DEPTH} levels")
     if node is None or type(node) in (bool, int, float, str):
         return node
     if type(node) is list:
-        return [_build_node(v, tensors, arrays, buffers, depth + 1) for v in node]
+        return [_build_node(v, tensors, arrays, buffers, depth + 1, meshes) for v in node]
     if type(node) is not dict:
         raise _bad(f"unexpected node {type(node).__name__}")
     tag = node.get("$")
     if tag == "tuple":
-        return tuple(_build_node(v, tensors, arrays, buffers, depth + 1) for v in _list(node.get("v"), "tuple"))
+        return tuple(_build_node(v, tensors, arrays, buffers, depth + 1, meshes) for v in _list(node.get("v"), "tuple"))
     if tag in ("dict", "odict"):
         keys, values = _list(node.get("k"), "dict keys"), _list(node.get("v"), "dict values")
         if len(keys) != len(values) or any(k is not None and type(k) not in (str, int, float, bool) for k in keys):
             raise _bad("dict keys and values do not match")
         out = (dict if tag == "dict" else OrderedDict)(
-            zip(keys, (_build_node(v, tensors, arrays, buffers, depth + 1) for v in values)))
+            zip(keys, (_build_node(v, tensors, arrays, buffers, depth + 1, meshes) for v in values)))
         if tag == "odict" and "m" in node:
-            out._metadata = _build_node(node["m"], tensors, arrays, buffers, depth + 1)  # type: ignore[attr-defined]
+            meta = _build_node(node["m"], tensors, arrays, buffers, depth + 1, meshes)
+            out._metadata = meta  # type: ignore[attr-defined]
         return out
     if tag == "tensor":
         return tensors[_int(node.get("i"), "tensor index", 0, len(tensors) - 1)]
+    if tag == "dtensor":
+        local = tensors[_int(node.get("i"), "tensor index", 0, len(tensors) - 1)]
+        return build_dtensor(node, local, meshes if meshes is not None else MeshCache())
     if tag in ("ndarray", "npscalar"):
         arr = arrays[_int(node.get("i"), "array index", 0, len(arrays) - 1)]
         return arr if tag == "ndarray" else arr[()]
@@ -371,8 +378,12 @@ def physical_memory_bytes() -> int:
 
 def walk_tensors(obj: Any, visit: Callable[[tuple[Any, ...], torch.Tensor], None],
                  path: tuple[Any, ...] = ()) -> None:
-    """Call `visit(path, tensor)` for every tensor in a nested dict/list/tuple state."""
-    if isinstance(obj, torch.Tensor):
+    """Call `visit(path, tensor)` for every tensor in a nested dict/list/tuple state (a DTensor's local
+    shard stands for the DTensor: that is what travels)."""
+    if isinstance(obj, DTensor):
+        with torch.no_grad():
+            visit(path, obj.to_local())
+    elif isinstance(obj, torch.Tensor):
         visit(path, obj)
     elif isinstance(obj, dict):
         for key, value in obj.items():

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -26,6 +26,8 @@ from ft_core.checkpointing.transport import CheckpointTransport, seconds
 from ft_core.errors import CheckpointError, FTTimeoutError
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 TAG_LENGTH, TAG_HEADER, TAG_DIGEST, TAG_BLOB = 1, 2, 3, 4
 NO_DIGEST = -1
@@ -55,12 +57,16 @@ def _buffer_tensor(buffer: Any) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
-class PGTransport(CheckpointTransport[Any]):
-    """Sends and receives checkpoints over `pg` (send/recv with tags); see the module doc for the wire order."""
+class PGTransport(CheckpointTransport[T]):
+    """Sends and receives checkpoints over `pg` (send/recv with tags); see the module doc for the wire order.
+
+    Generic like torchft's (`PGTransport[dict[str, object]](pg, timeout=...)`). DTensors travel as their
+    local shards (see dtensor_wire): each group rank sends its own shard, nothing is gathered.
+    """
 
     def __init__(self, pg: Any, timeout: timedelta | float = timedelta(seconds=60),
                  device: torch.device | str = "cpu",
-                 state_dict: Callable[[], Any] | None = None) -> None:
+                 state_dict: Callable[[], T] | None = None) -> None:
         self._pg = pg
         self.timeout_s = seconds(timeout)
         self._device = torch.device(device)
@@ -93,7 +99,7 @@ class PGTransport(CheckpointTransport[Any]):
 
     # ------------------------------------------------------------ sending
 
-    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta) -> None:
         """Stream `state_dict` (as step `step`) to every rank in `dst_ranks`; returns when all bytes are sent."""
         deadline = time.monotonic() + seconds(timeout)
         encoded = ser.encode(state_dict, step=step, chunk_bytes=1 << 40)
@@ -123,7 +129,7 @@ class PGTransport(CheckpointTransport[Any]):
 
     # ------------------------------------------------------------ receiving
 
-    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
         """Receive step `step` from `src_rank`. Tensors land on the CPU, or in place in `state_dict()`'s tensors."""
         deadline = time.monotonic() + seconds(timeout)
         what = f"receive of step {step}"

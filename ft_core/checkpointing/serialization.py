@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 from ft_core.checkpointing.decoding import (
     ArraySpec,
@@ -44,6 +45,7 @@ from ft_core.checkpointing.decoding import (
     split_header_prefix,
     walk_tensors,
 )
+from ft_core.checkpointing.dtensor_wire import encode_mesh, encode_placements
 from ft_core.checkpointing.wire import (
     CHECKSUMS,
     CRC,
@@ -203,6 +205,8 @@ class _Encoder:
             return {"$": "tuple", "v": [self.node(v, path + (i,), depth + 1) for i, v in enumerate(obj)]}
         if kind is dict or kind is OrderedDict:
             return self.mapping(obj, path, depth)
+        if isinstance(obj, DTensor):
+            return self.dtensor(obj, path)
         if isinstance(obj, torch.Tensor):
             return {"$": "tensor", "i": self.tensor(obj, path)}
         if kind is np.ndarray or isinstance(obj, np.generic):
@@ -231,8 +235,8 @@ class _Encoder:
         if known is not None:
             return known
         if type(t) not in (torch.Tensor, torch.nn.Parameter):
-            raise _refuse(path, f"tensor subclass {type(t).__qualname__} is not supported (for a DTensor, send "
-                                "full_tensor() or to_local())")
+            raise _refuse(path, f"tensor subclass {type(t).__qualname__} is not supported (send a plain tensor "
+                                "or a DTensor)")
         if t.layout != torch.strided:
             raise _refuse(path, f"tensor layout {t.layout} is not supported (call .to_dense())")
         if t.device.type == "meta":
@@ -249,6 +253,14 @@ class _Encoder:
         self.tensors.append((plain, requires_grad, is_param))
         self.tensor_ids[id(t)] = len(self.tensors) - 1
         return len(self.tensors) - 1
+
+    def dtensor(self, obj: DTensor, path: tuple[Any, ...]) -> dict[str, Any]:
+        """A DTensor as its local shard plus its layout: each rank sends its own shard, nothing is gathered."""
+        placements = encode_placements(obj.placements, _path_str(path))
+        local = obj.detach().to_local()
+        return {"$": "dtensor", "i": self.tensor(local, path), "shape": list(obj.shape), "stride": list(obj.stride()),
+                "placements": placements, "mesh": encode_mesh(obj.device_mesh), "rg": bool(obj.requires_grad),
+                "param": isinstance(obj, torch.nn.Parameter)}
 
     def array(self, obj: np.ndarray | np.generic, path: tuple[Any, ...]) -> dict[str, Any]:
         arr = np.asarray(obj)

@@ -17,9 +17,12 @@ from ft_lightning.accelerate.plugin import FaultTolerancePlugin
 _LAZY = {
     "FaultTolerantAccelerator": "ft_lightning.accelerate.accelerator",
     "FaultTolerantOptimizer": "ft_lightning.accelerate.accelerator",
+    "DiLoCoPlugin": "ft_lightning.accelerate.diloco",
+    "FaultTolerantDiLoCoAccelerator": "ft_lightning.accelerate.diloco",
 }
 
-__all__ = ["FaultTolerancePlugin", "FaultTolerantAccelerator", "FaultTolerantOptimizer"]
+__all__ = ["DiLoCoPlugin", "FaultTolerancePlugin", "FaultTolerantAccelerator", "FaultTolerantDiLoCoAccelerator",
+           "FaultTolerantOptimizer"]
 
 
 def __getattr__(name: str) -> Any:
