@@ -22,6 +22,7 @@ from ft_core import settings as ft_settings
 from ft_core.errors import ConfigError
 from ft_core.manager import Manager, WorldSizeMode
 from ft_core.process_groups import ProcessGroupGloo, ProcessGroupNCCL
+from ft_lightning import _events
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class FTSettings:
     backend: str
     use_async_quorum: bool
     manager_port: int
+    host: str | None = None  # FT_HOST: the address this group advertises (None: the route toward the lighthouse)
 
     @classmethod
     def resolve(cls, *, lighthouse_addr: str | None = None, replica_id: str | None = None,
@@ -55,7 +57,8 @@ class FTSettings:
                 quorum_timeout: timedelta | float | None = None,
                 connect_timeout: timedelta | float | None = None, world_size_mode: str | None = None,
                 token: str | None = None, cross_group_backend: str | None = None,
-                use_async_quorum: bool | None = None, manager_port: int | None = None) -> FTSettings:
+                use_async_quorum: bool | None = None, manager_port: int | None = None,
+                host: str | None = None) -> FTSettings:
         value = ft_settings.value
         groups = value("NUM_REPLICA_GROUPS", num_replica_groups)
         group = value("REPLICA_GROUP_ID", replica_group_id)
@@ -82,6 +85,7 @@ class FTSettings:
             backend=value("FT_BACKEND", cross_group_backend),
             use_async_quorum=value("FT_ASYNC_QUORUM", use_async_quorum),
             manager_port=value("FT_MANAGER_PORT", manager_port),
+            host=value("FT_HOST", host),
         )
 
     def group_dir_name(self) -> str:
@@ -104,7 +108,10 @@ def create_manager(settings: FTSettings, *, group_rank: int, group_world_size: i
                    extra: dict[str, Any] | None = None) -> Any:
     """A Manager for this rank of the replica group, with a cross-group process group of the chosen backend."""
     backend = cross_group_backend(settings, device)
-    pg = ProcessGroupNCCL(timeout=settings.timeout) if backend == "nccl" else ProcessGroupGloo(timeout=settings.timeout)
+    if backend == "nccl":
+        pg: Any = ProcessGroupNCCL(timeout=settings.timeout, device=device)
+    else:
+        pg = ProcessGroupGloo(timeout=settings.timeout)
     mode = WorldSizeMode.FIXED_WITH_SPARES if settings.world_size_mode == "fixed_with_spares" else WorldSizeMode.DYNAMIC
     replica_id = settings.replica_id or f"{settings.group_dir_name()}"
     kwargs: dict[str, Any] = {
@@ -112,12 +119,13 @@ def create_manager(settings: FTSettings, *, group_rank: int, group_world_size: i
         "timeout": settings.timeout, "quorum_timeout": settings.quorum_timeout, "connect_timeout": settings.connect_timeout,
         "rank": group_rank, "world_size": group_world_size, "world_size_mode": mode, "store_addr": store_addr,
         "store_port": store_port, "lighthouse_addr": settings.lighthouse_addr, "replica_id": replica_id,
-        "port": settings.manager_port, "token": settings.token,
+        "port": settings.manager_port, "token": settings.token, "hostname": settings.host,
     }
     kwargs.update(extra or {})
     logger.info("ft_lightning: starting the Manager of replica group %d/%d, group rank %d/%d, cross-group %s: %s",
                 settings.replica_group_id, settings.num_replica_groups, group_rank, group_world_size, backend,
                 settings.describe())
+    _events.attach_console()  # one line per membership change, heal and failed step on the console
     return Manager(**kwargs)
 
 
@@ -130,32 +138,75 @@ _SCALARS = (bool, int, float, str, type(None))
 
 
 def to_transport(obj: Any, *, clone: bool = False, where: str = "state") -> Any:
-    """Encode `obj` for the checkpoint transport; `clone` copies tensors (the owner keeps training).
-    Raises TypeError naming the key for values that cannot be sent."""
+    """Encode `obj` for the checkpoint transport; `clone` copies tensors (the owner keeps training) to
+    host memory: a GPU tensor goes to pinned host memory on a side stream (never a second copy on the
+    GPU), and the call returns once every copy has landed. Raises TypeError naming the key for values
+    that cannot be sent."""
+    copies = _HostCopies() if clone else None
+    out = _encode(obj, copies, where)
+    if copies is not None:
+        copies.wait()
+    return out
+
+
+def _encode(obj: Any, copies: _HostCopies | None, where: str) -> Any:
     if isinstance(obj, torch.Tensor):
         tensor = obj.detach()
-        return tensor.clone() if clone else tensor
+        return copies.copy(tensor) if copies is not None else tensor
     if isinstance(obj, Enum):
-        return to_transport(obj.value, clone=clone, where=where)
+        return _encode(obj.value, copies, where)
     if isinstance(obj, _SCALARS):
         return obj
     if isinstance(obj, PathLike):
         return fspath(obj)
     if type(obj).__module__ == "numpy":
         if isinstance(obj, np.ndarray):
-            return obj.copy() if clone else obj
+            return obj.copy() if copies is not None else obj
         if isinstance(obj, np.generic):
             return obj.item()
     if isinstance(obj, dict):
         if all(isinstance(k, str) and not k.startswith("__ft_") for k in obj):
-            return {k: to_transport(v, clone=clone, where=f"{where}.{k}") for k, v in obj.items()}
-        return {_ITEMS: [[to_transport(k, where=where), to_transport(v, clone=clone, where=f"{where}[{k!r}]")]
-                         for k, v in obj.items()]}
+            return {k: _encode(v, copies, f"{where}.{k}") for k, v in obj.items()}
+        return {_ITEMS: [[_encode(k, None, where), _encode(v, copies, f"{where}[{k!r}]")] for k, v in obj.items()]}
     if isinstance(obj, tuple):
-        return {_TUPLE: [to_transport(v, clone=clone, where=f"{where}[{i}]") for i, v in enumerate(obj)]}
+        return {_TUPLE: [_encode(v, copies, f"{where}[{i}]") for i, v in enumerate(obj)]}
     if isinstance(obj, list):
-        return [to_transport(v, clone=clone, where=f"{where}[{i}]") for i, v in enumerate(obj)]
+        return [_encode(v, copies, f"{where}[{i}]") for i, v in enumerate(obj)]
     raise TypeError(f"{where} holds a {type(obj).__name__}, which cannot be sent to a healing replica group")
+
+
+_COPY_STREAMS: dict[torch.device, Any] = {}  # one heal-snapshot copy stream per device, made on first use
+
+
+class _HostCopies:
+    """Host copies of one snapshot: CPU tensors cloned; CUDA tensors copied into pinned host memory on
+    one side stream per device (ordered after the work queued so far), waited on once by `wait()`.
+    The pinned blocks go back to torch's host cache with the snapshot; the HTTP transport hands that
+    cache back to the system after the heal."""
+
+    def __init__(self) -> None:
+        self._used: list[Any] = []
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type == "cpu":
+            return tensor.clone()
+        if tensor.device.type != "cuda" or tensor.layout != torch.strided:
+            return tensor.to("cpu")  # other devices and layouts: a plain synchronous copy
+        stream = _COPY_STREAMS.get(tensor.device)
+        if stream is None:
+            stream = _COPY_STREAMS.setdefault(tensor.device, torch.cuda.Stream(tensor.device))
+        if stream not in self._used:
+            stream.wait_stream(torch.cuda.current_stream(tensor.device))  # what has been written so far
+            self._used.append(stream)
+        with torch.cuda.stream(stream):
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+        tensor.record_stream(stream)  # its device memory stays valid until the copy ran
+        return host
+
+    def wait(self) -> None:
+        for stream in self._used:
+            stream.synchronize()
 
 
 def from_transport(obj: Any) -> Any:

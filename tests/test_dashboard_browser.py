@@ -2,13 +2,16 @@
 
 Setup on Debian: `apt-get update && apt-get install -y chromium`; the test skips when /usr/bin/chromium
 is absent. It checks that the page loads with no external request, lists the members, and updates
-as members leave and join.
+as members leave and join, in states that mean what they say (training, healing, behind by N,
+lost at a time). `FTL_DASHBOARD_SCREENSHOT=docs/dashboard.png` also saves the page as it looks then.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import re
 import signal
 import subprocess
 import tempfile
@@ -91,6 +94,13 @@ def rows(page: DevTools) -> list[str]:
     return json.loads(value) if value else []
 
 
+def states(page: DevTools) -> dict[str, str]:
+    """replica id -> the state text the page shows for it."""
+    value = page.evaluate("JSON.stringify(Object.fromEntries([...document.querySelectorAll('tr.member')]"
+                          ".map(r => [r.dataset.replicaId, r.children[1].textContent])))")
+    return json.loads(value) if value else {}
+
+
 @pytest.mark.timeout(60)
 def test_status_page_lists_members_and_follows_changes_without_external_requests(processes) -> None:
     with LighthouseServer(quorum_tick_ms=50, heartbeat_timeout_ms=2_000) as server, \
@@ -119,14 +129,40 @@ def test_status_page_lists_members_and_follows_changes_without_external_requests
                 page.send("Page.navigate", url=server.http_address() + "/")
                 assert wait_for(lambda: rows(page) == ["alpha", "beta"], 20, "both members listed")
                 assert page.evaluate("document.getElementById('quorum-id').textContent") == "1"
-                assert page.evaluate("document.querySelector('tr[data-replica-id=beta]')"
-                                     ".classList.contains('recovering')"), "beta is behind max_step"
+                # alpha is at the quorum's max step; beta, 2 behind and in the quorum, heals (one step
+                # behind would be the normal skew, not "healing")
+                assert states(page) == {"alpha": "training", "beta": "healing"}
+                assert page.evaluate("document.getElementById('last-quorum').textContent") == "last quorum 1: alpha, beta"
                 assert page.evaluate("document.querySelectorAll('button.kill').length") == 2
 
-                streams.pop("beta").stop()  # beta leaves: its stream closes, it is dead at once
-                assert wait_for(lambda: rows(page) == ["alpha"], 10, "beta to disappear")
+                # gamma asks for a quorum at step 0 while the others are not asking: it waits, far behind
                 streams["gamma"] = client.start_heartbeat_stream("gamma")
-                assert wait_for(lambda: rows(page) == ["alpha", "gamma"], 10, "gamma to appear")
+                assert streams["gamma"].wait_connected(5)
+                def join_gamma() -> None:
+                    try:
+                        client.quorum(QuorumMember("gamma", address="127.0.0.1:7009", step=0), timedelta(seconds=4))
+                    except Exception as exc:  # its deadline: the others never asked again (expected)
+                        joined.append(exc)
+
+                waiter = threading.Thread(target=join_gamma, name="test-join-gamma", daemon=True)
+                waiter.start()
+                assert wait_for(lambda: states(page).get("gamma") == "behind by 4", 10, "gamma behind by 4")
+
+                streams.pop("beta").stop()  # beta dies: its stream closes; it stays listed, lost, with the time
+                lost = wait_for(lambda: states(page).get("beta", "").startswith("lost at ") and states(page)["beta"],
+                                10, "beta shown lost")
+                assert re.fullmatch(r"lost at \d\d:\d\d:\d\d", lost), lost
+                assert page.evaluate("document.querySelector('tr[data-replica-id=beta]').classList.contains('lost')")
+                assert page.evaluate("document.querySelectorAll('button.kill').length") == 2  # none for the lost
+                assert rows(page) == ["alpha", "beta", "gamma"]
+                if os.environ.get("FTL_DASHBOARD_SCREENSHOT"):  # to refresh docs/dashboard.png
+                    page.send("Emulation.setDeviceMetricsOverride", width=1100, height=520, deviceScaleFactor=1,
+                              mobile=False)
+                    time.sleep(0.6)
+                    shot = page.send("Page.captureScreenshot", format="png")["data"]
+                    with open(os.environ["FTL_DASHBOARD_SCREENSHOT"], "wb") as f:
+                        f.write(base64.b64decode(shot))
+                waiter.join(10)
 
                 page.send("Runtime.evaluate", expression="1")  # flush pending events
                 urls = [e["params"]["request"]["url"] for e in page.events

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -88,15 +91,24 @@ def test_report_counts_failures_heals_gaps_and_identical_weights(story, tmp_path
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
 
 
-def test_a_different_digest_or_a_missing_end_is_not_identical(story):
+def test_a_different_digest_is_not_identical_and_a_missing_end_is_not_compared(story):
     groups_dir, kills = story
     series = load_series(str(groups_dir), 3)
     series[2].end = {**series[2].end, "weights_sha256": "cd" * 32}
     report = build_report(series, kills, started_at=T0, duration_s=10, kill_every=5, seed=0)
     assert report["weights_identical"] is False and report["success"] is False
     series = load_series(str(groups_dir), 3)
-    series[0].end = None
-    assert build_report(series, kills, started_at=T0, duration_s=10, kill_every=5, seed=0)["weights_identical"] is False
+    series[0].end = None  # e.g. interrupted: nothing to compare, and the summary must not say "NOT identical"
+    report = build_report(series, kills, started_at=T0, duration_s=10, kill_every=5, seed=0)
+    assert report["weights_identical"] is None and report["success"] is False
+    assert report["weights"] == "not compared: group(s) 0 did not finish"
+
+
+def test_a_late_groups_catch_up_at_start_is_not_counted_as_a_failure_healed(story):
+    groups_dir, kills = story
+    _write(groups_dir / "2.jsonl", [{"event": "heal", "t": T0 + 0.5, "step": 5, "seconds": 0.1, "nbytes": 10}])
+    report = build_report(load_series(str(groups_dir), 3), kills, started_at=T0, duration_s=10, kill_every=5, seed=0)
+    assert report["heals"] == 1 and report["initial_syncs"] == 3  # only group 1's heal after its restart
 
 
 def test_a_victim_that_never_trains_again_is_not_a_survived_failure(story):
@@ -108,6 +120,8 @@ def test_a_victim_that_never_trains_again_is_not_a_survived_failure(story):
         del column[50:]  # group 1 never trained again after the kill
     report = build_report(series, kills, started_at=T0, duration_s=10, kill_every=5, seed=0)
     assert report["failures_survived"] == 0 and report["success"] is False
+    assert report["failure_notes"] == ["failure 1 (group 1 killed at 5.0s): not survived, group 1 did not train "
+                                       "again before the end"]
     no_restart = build_report(series, kills, started_at=T0, duration_s=10, kill_every=5, seed=0, restart=False)
     assert no_restart["failures_survived"] == 1  # without restarts, survivors going on is enough
     at_the_end = [{**k, "time": T0 + 11.95} for k in kills]  # nobody committed after it
@@ -210,3 +224,28 @@ def test_demo_survives_failures_and_ends_with_identical_weights(tmp_path, proces
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert "identical in every group" in text and "failures survived" in text
     assert sorted(os.listdir(out / "groups")) == ["0.jsonl", "1.jsonl", "2.jsonl"]
+
+
+@pytest.mark.timeout(100)
+def test_an_interrupted_demo_says_the_weights_were_not_compared(tmp_path, processes):
+    out = tmp_path / "demo"
+    proc = processes.spawn([sys.executable, "-m", "ft_core.tools.cli", "demo", "--groups", "2", "--duration", "60",
+                            "--kill-every", "0", "--out", str(out)], env=child_env(COLUMNS="120"),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: list[str] = []
+    reader = threading.Thread(target=lambda: seen.extend(proc.stdout), name="test-demo-output", daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 80
+    while not any("training started" in line for line in seen) and time.monotonic() < deadline:
+        assert proc.poll() is None, "".join(seen)[-3000:]
+        time.sleep(0.1)
+    assert any("training started" in line for line in seen), "".join(seen)[-3000:]
+    proc.send_signal(signal.SIGINT)  # Ctrl-C: the demo ends every group before they finish
+    proc.wait(timeout=60)
+    reader.join(10)
+    text = "".join(seen)
+    assert proc.returncode == 130, text[-3000:]
+    assert "not compared: group(s) 0, 1 did not finish" in text and "NOT identical" not in text, text[-3000:]
+    assert "failures survived" in text and "interrupted" in text
+    report = json.loads((out / "report.json").read_text())
+    assert report["weights_identical"] is None and report["failures_injected"] == 0

@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from ft_core.errors import ConfigError
+
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "lighthouse": ("ft_core.control.lighthouse", "run the quorum server (one per job)"),
     "launch": ("ft_core.tools.launch_command", "run N replica groups on this machine, with restarts and fault injection"),
@@ -34,8 +36,36 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"ftl: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(SUBCOMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    try:
+        module = importlib.import_module(SUBCOMMANDS[name][0])
+    except ModuleNotFoundError as exc:
+        return _missing_dependency(name, exc)
+    try:
+        return int(module.main(rest) or 0)
+    except ModuleNotFoundError as exc:  # imported lazily by the subcommand (`ftl accelerate launch`)
+        return _missing_dependency(name, exc)
+    except ConfigError as exc:  # a bad setting: one or two lines naming the cause and the fix, no traceback
+        print(config_error_message(name, exc), file=sys.stderr)
+        return 2
+
+
+def _missing_dependency(command: str, exc: ModuleNotFoundError) -> int:
+    """An optional dependency (accelerate, lightning) is not installed: say which and how to get it."""
+    missing = (exc.name or "").split(".")[0]
+    if not missing or missing in ("ft_core", "ft_lightning"):
+        raise exc  # our own package is broken: that is a bug, keep the traceback
+    print(f"ftl {command}: needs the Python package {missing!r}, which is not installed; "
+          f"install it (pip install {missing}) and try again", file=sys.stderr)
+    return 2
+
+
+def config_error_message(command: str, exc: BaseException) -> str:
+    """`ftl COMMAND: error: ...` without repeating a prefix the message already carries."""
+    text = " ".join(str(exc).split())
+    prefix = f"ftl {command}: "
+    while text.startswith(prefix):
+        text = text[len(prefix):]
+    return f"{prefix}error: {text}"
 
 
 if __name__ == "__main__":

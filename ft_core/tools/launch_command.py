@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import random
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -17,12 +18,44 @@ from dataclasses import dataclass
 from typing import Any
 
 from ft_core.control.lighthouse import LighthouseServer
-from ft_core.tools.launcher import (LOOPBACK, GroupState, GroupStatus, LaunchEvent, Launcher, StopSignals, describe_exit,
-                              free_port, group_env)
+from ft_core.errors import RPCError
+from ft_core.net import check_reachable
+from ft_core.tools.launcher import (
+    DEFAULT_MAX_RESTARTS,
+    LOOPBACK,
+    GroupState,
+    GroupStatus,
+    Launcher,
+    LaunchEvent,
+    StopSignals,
+    describe_exit,
+    free_port,
+    group_env,
+)
+from ft_core.tools.status import fetch_status
 
-__all__ = ["FaultInjector", "GroupState", "GroupStatus", "KillRecord", "LaunchEvent", "Launcher", "StopSignals",
-           "choose_victim", "describe_exit", "free_port", "group_env", "main", "next_kill_delay", "parse_args",
-           "start_lighthouse", "status_url"]
+__all__ = [
+    "FaultInjector",
+    "GroupState",
+    "GroupStatus",
+    "JobWatch",
+    "KillRecord",
+    "LaunchEvent",
+    "Launcher",
+    "StopSignals",
+    "choose_victim",
+    "describe_exit",
+    "finished_job_verdict",
+    "free_port",
+    "group_env",
+    "group_of_replica",
+    "main",
+    "next_kill_delay",
+    "parse_args",
+    "quorum_wait_note",
+    "start_lighthouse",
+    "status_url",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +142,121 @@ class FaultInjector:
         return record
 
 
+# --------------------------------------------------------------------------- a job that has finished
+
+def group_of_replica(replica_id: str) -> int | None:
+    """The replica group index in a replica id (`3:9f2c...`, `g3`, `replica_group_3`), or None."""
+    match = re.search(r"(\d+)$", replica_id.split(":", 1)[0])
+    return int(match.group(1)) if match else None
+
+
+def finished_job_verdict(group: int, step: int | None, final_step: int | None, finished: Sequence[int],
+                         live_peer_steps: Sequence[int]) -> str | None:
+    """Why `group` must not go on (it would retrain the finished job alone), or None when it may.
+
+    The job finished at `final_step` (groups `finished` exited 0); `group` is at `step`; the other live
+    groups are at `live_peer_steps`. One step behind is the normal skew at the end of a run; a live
+    peer ahead of `group` is a source it heals from.
+    """
+    if step is None or final_step is None or final_step - step <= 1:
+        return None
+    if any(peer > step for peer in live_peer_steps):
+        return None
+    done = ", ".join(map(str, finished))
+    return (f"the job already finished at step {final_step} (group(s) {done}) and group {group} is at step {step} "
+            f"with no live peer to heal from: stopped instead of retraining the job alone; resume it from the "
+            f"job's last checkpoint or start the whole job again")
+
+
+def quorum_wait_note(waiting_since: dict[str, float], reason: str, now: float, after_s: float = 5.0) -> str | None:
+    """A progress line when some group has been waiting for a quorum `after_s` seconds or more, with the
+    lighthouse's own reason; None otherwise. `waiting_since`: replica id -> since when it waits, unbroken."""
+    stuck = sorted((since, rid) for rid, since in waiting_since.items() if now - since >= after_s)
+    if not stuck:
+        return None
+    names = ", ".join(f"group {g}" if (g := group_of_replica(rid)) is not None else rid for _, rid in stuck)
+    return f"{names} waiting {now - stuck[0][0]:.0f} s for a quorum: {reason}"
+
+
+class JobWatch:
+    """Follows the groups on the lighthouse: stops a group that would retrain a finished job alone, and says
+    why a quorum is not forming when groups wait for one.
+
+    `read_status` returns the lighthouse's /status picture. Fed by `tick()` (every poll) and by the
+    launcher's events (`on_event`), it fails the group through `Launcher.fail_group`, so the run fails;
+    progress lines go to `on_note`.
+    """
+
+    def __init__(self, read_status: Callable[[], dict[str, Any]], interval: float = 0.2,
+                 on_note: Callable[[str], None] | None = None, note_every_s: float = 10.0,
+                 confirm_s: float = 2.0) -> None:
+        self.read_status = read_status
+        self.interval = interval
+        self.on_note = on_note
+        self.note_every_s = note_every_s
+        self.confirm_s = confirm_s  # a verdict must hold this long (the lighthouse's steps lag a heal by a step)
+        self.steps: dict[int, int] = {}  # group -> step of its live incarnation, as last seen
+        self.final_steps: dict[int, int] = {}  # group -> its step when it finished
+        self.waiting_since: dict[str, float] = {}  # replica id -> since when it waits for a quorum, unbroken
+        self._live: set[int] = set()
+        self._suspects: dict[int, float] = {}  # group -> since when the verdict holds
+        self._next = 0.0
+        self._next_note = 0.0
+
+    def observe(self, status: dict[str, Any]) -> None:
+        seen: dict[int, int] = {}
+        for m in status.get("members", []):
+            group = group_of_replica(str(m.get("replica_id", "")))
+            if group is None or not m.get("healthy") or m.get("step") is None:
+                continue
+            seen[group] = min(seen.get(group, m["step"]), m["step"])  # a new incarnation starts lower
+        self.steps.update(seen)
+        self._live = set(seen)
+
+    def _follow_waiting(self, status: dict[str, Any], now: float) -> None:
+        waiting = {str(m["replica_id"]) for m in status.get("members", []) if m.get("waiting") and m.get("healthy")}
+        self.waiting_since = {rid: self.waiting_since.get(rid, now) for rid in waiting}
+        note = quorum_wait_note(self.waiting_since, str(status.get("reason", "")), now)
+        if note is None:
+            self._next_note = 0.0
+        elif self.on_note is not None and now >= self._next_note:
+            self._next_note = now + self.note_every_s
+            self.on_note(note)
+
+    def on_event(self, event: LaunchEvent) -> None:
+        if event.kind == "done":
+            self.final_steps[event.group] = self.steps.get(event.group, 0)
+        elif event.kind in ("started", "killed", "died"):
+            self.steps.pop(event.group, None)  # a fresh incarnation reports its own step
+
+    def tick(self, launcher: Launcher, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if now < self._next:
+            return
+        self._next = now + self.interval
+        try:
+            status = self.read_status()
+        except Exception as exc:  # the lighthouse is busy or gone: try again at the next tick
+            logger.debug("could not read the lighthouse status: %s", exc)
+            return
+        self.observe(status)
+        self._follow_waiting(status, now)
+        if not self.final_steps:
+            return
+        final = max(self.final_steps.values())
+        running = launcher.running_groups()
+        for group in running:
+            peers = [s for g, s in self.steps.items() if g != group and g in self._live]
+            verdict = finished_job_verdict(group, self.steps.get(group) if group in self._live else None, final,
+                                           sorted(self.final_steps), peers)
+            if verdict is None:
+                self._suspects.pop(group, None)
+            elif now - self._suspects.setdefault(group, now) >= self.confirm_s:
+                launcher.fail_group(group, verdict)
+        for group in [g for g in self._suspects if g not in running]:
+            del self._suspects[group]
+
+
 # --------------------------------------------------------------------------- CLI
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,7 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SIGKILL a random group about every SECONDS (seeded)")
     p.add_argument("--max-kills", type=int, default=None, help="stop injecting after this many kills")
     p.add_argument("--no-restart", action="store_true", help="do not restart groups that die")
-    p.add_argument("--restart-delay", type=float, default=1.0, help="seconds before a dead group restarts")
+    p.add_argument("--restart-delay", type=float, default=1.0,
+                   help="seconds before a dead group restarts; doubles with each crash in a row, up to 30 s")
+    p.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS,
+                   help=f"give up on a group after this many crashes (kills by --kill-every do not count; "
+                        f"default {DEFAULT_MAX_RESTARTS})")
     p.add_argument("--seed", type=int, default=None, help="seed of the fault schedule")
     p.add_argument("--token", default=None, help="shared token for every RPC (default: $FT_TOKEN)")
     p.add_argument("--log-dir", default=None, help="write each group's output to DIR/group<N>.log "
@@ -158,6 +310,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         errors.append("--kill-every must be > 0 seconds")
     if args.max_kills is not None and args.max_kills < 0:
         errors.append("--max-kills must be >= 0")
+    if args.max_restarts < 0:
+        errors.append("--max-restarts must be >= 0")
+    if args.restart_delay < 0:
+        errors.append("--restart-delay must be >= 0 seconds")
     if not args.command:
         errors.append("no script given: put it after `--`, e.g. `ftl launch --groups 2 -- train.py`")
     elif args.command[0] == "-m":
@@ -201,7 +357,11 @@ def main(argv: list[str]) -> int:
         token = args.token or os.environ.get("FT_TOKEN") or None
         command = [sys.executable, *args.command]
         if args.lighthouse:
-            address = args.lighthouse
+            try:
+                address = check_reachable(args.lighthouse, hint="--lighthouse")
+            except RPCError as exc:
+                console.print(f"[red]ftl launch: error: {escape(str(exc))}[/]", soft_wrap=True)
+                return 1
         else:
             lighthouse = start_lighthouse(args.min_replicas, token, args.join_timeout_ms, args.heartbeat_timeout_ms)
             address = lighthouse.address()
@@ -214,7 +374,17 @@ def main(argv: list[str]) -> int:
             tag = f"g{group}" if args.nproc_per_group == 1 else f"g{group}r{rank}"
             console.print(f"[{colors[group % len(colors)]}]\\[{tag}][/] {escape(line)}", soft_wrap=True)
 
+        if lighthouse is not None:
+            read_status = lighthouse.core.status
+        else:
+            def read_status() -> dict[str, Any]:
+                return fetch_status(address, token, timeout_s=1.0)
+        watch = JobWatch(read_status, interval=0.2 if lighthouse is not None else 1.0,
+                                 on_note=lambda text: console.print(f"[yellow]\\[launch] {escape(text)}[/]",
+                                                                    soft_wrap=True))
+
         def on_event(event: LaunchEvent) -> None:
+            watch.on_event(event)
             color = {"killed": "red", "died": "red", "lost": "bold red", "done": "green"}.get(event.kind, "dim")
             console.print(f"[{color}]\\[launch] group {event.group} {event.kind}: {escape(event.detail)}[/]",
                           soft_wrap=True)
@@ -226,12 +396,12 @@ def main(argv: list[str]) -> int:
         launcher = Launcher(command, args.groups, nproc_per_group=args.nproc_per_group, lighthouse=address,
                             token=token, restart=not args.no_restart, restart_delay=args.restart_delay,
                             log_dir=args.log_dir, on_output=None if args.log_dir else on_output,
-                            on_event=on_event, stop_grace=args.stop_grace)
+                            on_event=on_event, stop_grace=args.stop_grace, max_restarts=args.max_restarts)
         with launcher:
             if args.log_dir:
                 console.print(f"group output: {os.path.abspath(args.log_dir)}/group<N>.log")
             launcher.start()
-            finished = launcher.run_until_done(stop.event, injector=injector)
+            finished = launcher.run_until_done(stop.event, injector=injector, on_tick=lambda: watch.tick(launcher))
             if not finished:
                 console.print("[yellow]\\[launch] stop requested: ending every group[/]")
                 launcher.shutdown(grace=0.0 if stop.count > 1 else None)
@@ -246,6 +416,9 @@ def main(argv: list[str]) -> int:
             return 0
         lost = launcher.lost_groups()
         console.print(f"[bold red]run failed: group(s) {', '.join(map(str, lost))} lost[/]")
+        for s in launcher.statuses():
+            if s.state == GroupState.LOST:
+                console.print(f"[red]  group {s.group}: {escape(s.detail)}[/]", soft_wrap=True)
         return 1
     finally:
         if lighthouse is not None:

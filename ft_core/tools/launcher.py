@@ -5,6 +5,10 @@ group also takes whatever the rank spawned. A rank is never reaped before its pr
 been signalled: while we hold it unreaped its pid, and so its process group id, cannot be reused
 by another process, which makes every signal we send land on our own processes.
 
+A group that crashes on its own (not killed by us) restarts with exponential backoff and is given up
+on (lost, naming its last output) after `max_restarts` crashes, so a script that always fails does
+not restart forever.
+
 Used by `ftl launch` (ft_core/tools/launch_command.py), `ftl demo` and chaos runs.
 """
 
@@ -26,6 +30,9 @@ logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_RES_OPTIONS = "timeout:1 attempts:1"
+DEFAULT_MAX_RESTARTS = 10  # crashes of one group before it is given up on (kills by the launcher do not count)
+MAX_RESTART_DELAY_S = 30.0
+STABLE_RUN_S = 30.0  # an incarnation that ran this long before crashing starts the backoff over
 
 
 class FailureSource(Protocol):
@@ -67,6 +74,7 @@ class GroupStatus:
     deaths: int  # every unplanned end: kills and crashes
     detail: str
     pids: tuple[int, ...]
+    crashes: int = 0  # deaths the launcher did not cause
 
 
 @dataclass
@@ -87,7 +95,19 @@ class _Group:
     restart_at: float = 0.0
     kills: int = 0
     deaths: int = 0
+    crashes: int = 0  # deaths the launcher did not cause (counted against max_restarts)
+    crash_streak: int = 0  # crashes in a row, each soon after its start (drives the backoff)
+    started_at: float = 0.0
+    last_line: str = ""  # the last non-empty line the group printed (for "died" details)
     detail: str = ""
+
+
+def restart_delay_after(base: float, crash_streak: int, cap: float = MAX_RESTART_DELAY_S) -> float:
+    """Seconds before restarting a group: `base` after a kill (streak 0) or a first crash; then doubling
+    from max(base, 0.5 s) with each further crash in a row, at most `cap` (but never below `base`)."""
+    if crash_streak <= 1:
+        return base
+    return max(base, min(cap, max(base, 0.5) * 2.0 ** (crash_streak - 1)))
 
 
 def group_env(base: Mapping[str, str], *, group: int, num_groups: int, rank: int, nproc_per_group: int,
@@ -109,6 +129,9 @@ def group_env(base: Mapping[str, str], *, group: int, num_groups: int, rank: int
         "GROUP_RANK": "0",
         "FT_RESTART_COUNT": str(restart_count),
     })
+    metrics_port = env.get("FT_METRICS_PORT", "").strip()
+    if metrics_port.isdigit() and int(metrics_port) > 0:  # one /metrics port per group: PORT, PORT+1, ...
+        env["FT_METRICS_PORT"] = str(int(metrics_port) + group)
     if lighthouse:
         env["FT_LIGHTHOUSE"] = lighthouse
     if token:
@@ -171,7 +194,8 @@ class Launcher:
                  lighthouse: str | None = None, token: str | None = None, env: Mapping[str, str] | None = None,
                  restart: bool = True, restart_delay: float = 1.0, log_dir: str | None = None,
                  on_output: Callable[[int, int, str], None] | None = None,
-                 on_event: Callable[[LaunchEvent], None] | None = None, stop_grace: float = 5.0) -> None:
+                 on_event: Callable[[LaunchEvent], None] | None = None, stop_grace: float = 5.0,
+                 max_restarts: int | None = DEFAULT_MAX_RESTARTS) -> None:
         if not command:
             raise ValueError("Launcher needs a command to run, e.g. [sys.executable, 'train.py']")
         if num_groups < 1 or nproc_per_group < 1:
@@ -185,6 +209,7 @@ class Launcher:
         self.base_env = dict(os.environ if env is None else env)
         self.restart = restart
         self.restart_delay = restart_delay
+        self.max_restarts = max_restarts
         self.log_dir = log_dir
         self.on_output = on_output
         self.on_event = on_event
@@ -203,7 +228,7 @@ class Launcher:
         inc = g.incarnation
         return GroupStatus(group=g.index, state=g.state, incarnation=max(0, g.next_incarnation - 1),
                            kills=g.kills, deaths=g.deaths, detail=g.detail,
-                           pids=tuple(p.pid for p in inc.ranks) if inc else ())
+                           pids=tuple(p.pid for p in inc.ranks) if inc else (), crashes=g.crashes)
 
     def statuses(self) -> list[GroupStatus]:
         return [self.status(i) for i in range(self.num_groups)]
@@ -255,6 +280,8 @@ class Launcher:
             g.incarnation = inc
             g.state = GroupState.RUNNING
             g.detail = ""
+            g.last_line = ""
+            g.started_at = time.monotonic()
             try:
                 for rank in range(self.nproc_per_group):
                     self._spawn_rank(g, inc, rank)
@@ -276,8 +303,20 @@ class Launcher:
             self._end_incarnation(g, signal.SIGKILL)
             g.kills += 1
             self._emit("killed", g, reason)
-            self._after_death(g, reason)
+            self._after_death(g, reason, crashed=False)
             return True
+
+    def fail_group(self, group: int, reason: str, grace: float | None = None) -> None:
+        """End `group` (SIGTERM, then SIGKILL) and mark it lost for `reason`: the run then fails."""
+        with self._lock:
+            g = self._groups[group]
+            if g.state in (GroupState.DONE, GroupState.LOST, GroupState.STOPPED):
+                return
+            if g.state == GroupState.RUNNING and g.incarnation is not None:
+                self._terminate([g], self.stop_grace if grace is None else grace)
+            g.state = GroupState.LOST
+            g.detail = reason
+            self._emit("lost", g, reason)
 
     def stop_group(self, group: int, grace: float | None = None) -> None:
         """End `group` gently (SIGTERM, then SIGKILL after `grace` s); it is not restarted."""
@@ -372,6 +411,9 @@ class Launcher:
         assert self.on_output is not None
         with stream:
             for raw in stream:
+                text = raw.decode("utf-8", "replace").strip()
+                if text:
+                    self._groups[group].last_line = text
                 try:
                     self.on_output(group, rank, raw.decode("utf-8", "replace").rstrip("\r\n"))
                 except Exception:  # a broken display must not stop the drain (the child would block)
@@ -385,21 +427,51 @@ class Launcher:
             rank, code = failed[0]
             what = describe_exit(code) if self.nproc_per_group == 1 else f"rank {rank} {describe_exit(code)}"
             self._end_incarnation(g, signal.SIGKILL)  # one rank down = the whole group down
+            last = self._last_output(g, rank)
+            if last and code is not None and code > 0:
+                what += f" (last output: {last[:300]})"
             self._emit("died", g, what)
-            self._after_death(g, what)
+            self._after_death(g, what, crashed=True)
         elif all(c == 0 for c in codes):
             self._end_incarnation(g, signal.SIGKILL)  # also ends anything the ranks left behind
             g.state = GroupState.DONE
             g.detail = "finished"
             self._emit("done", g, "all ranks exited 0")
 
-    def _after_death(self, g: _Group, what: str) -> None:
+    def _last_output(self, g: _Group, rank: int) -> str:
+        """The last non-empty line a crashed rank printed: from its log file, else from the output pump."""
+        path = self.log_path(g.index, rank)
+        if not path:
+            return g.last_line
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, os.path.getsize(path) - 4096))
+                lines = [line.strip() for line in f.read().decode("utf-8", "replace").splitlines() if line.strip()]
+        except OSError:
+            return ""
+        return lines[-1] if lines and not lines[-1].startswith("=====") else ""
+
+    def _after_death(self, g: _Group, what: str, crashed: bool) -> None:
         g.deaths += 1
-        if self.restart and not self._closed:
+        if crashed:
+            g.crashes += 1
+            quick = time.monotonic() - g.started_at < STABLE_RUN_S
+            g.crash_streak = g.crash_streak + 1 if quick else 1
+        else:
+            g.crash_streak = 0
+        if self.restart and not self._closed and crashed and self.max_restarts is not None \
+                and g.crashes > self.max_restarts:
+            g.state = GroupState.LOST
+            g.detail = (f"{what}; keeps crashing: {g.crashes} crashes, not restarted past --max-restarts "
+                        f"{self.max_restarts} (read its output for the cause)")
+            self._emit("lost", g, g.detail)
+        elif self.restart and not self._closed:
+            delay = restart_delay_after(self.restart_delay, g.crash_streak)
             g.state = GroupState.RESTARTING
-            g.restart_at = time.monotonic() + self.restart_delay
+            g.restart_at = time.monotonic() + delay
             g.detail = what
-            self._emit("restarting", g, f"{what}; restarting in {self.restart_delay:g}s")
+            streak = f" (crash {g.crash_streak} in a row)" if g.crash_streak > 1 else ""
+            self._emit("restarting", g, f"{what}; restarting in {delay:g}s{streak}")
         else:
             g.state = GroupState.LOST
             g.detail = f"{what}; not restarted (--no-restart)" if not self.restart else what

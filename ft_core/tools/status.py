@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import urllib.error
 import urllib.request
 from http.client import HTTPException
@@ -35,13 +36,13 @@ def status_urls(addr: str | None) -> list[str]:
             base = item.rstrip("/")
             urls.append(base.removesuffix("/status"))
             continue
-        host, port = split_host_port(item, "ftl status: lighthouse address",
+        host, port = split_host_port(item, "lighthouse address",
                                      hint="or give the status server as http://HOST:PORT")
         scheme = "https" if client_ssl_context() is not None else "http"  # a CA configured: the job uses TLS
         urls.append(f"{scheme}://{format_host_port(host, port)}")
         urls.append(f"{scheme}://{format_host_port(host, port + 1)}")
     if not urls:
-        raise ConfigError(f"ftl status: no address in {raw!r}")
+        raise ConfigError(f"no lighthouse address in {raw!r}; pass --lighthouse HOST:PORT")
     return list(dict.fromkeys(urls))
 
 
@@ -66,38 +67,80 @@ def fetch_status(addr: str | None, token: str | None = None, timeout_s: float = 
                    f"http://HOST:PORT (the lighthouse's --http-bind)", call="GET /status", code="UNAVAILABLE")
 
 
+def member_state(member: dict[str, Any], max_step: int) -> str:
+    """What a member is doing, in words that mean what they say (the dashboard applies the same rule).
+
+    One step behind the fastest is normal (the quorum runs ahead of the step); more than that and
+    the group cannot contribute until it heals: "healing" once it is in the quorum, else "behind by N".
+    """
+    if not member.get("healthy", False):
+        return "lost"
+    step = member.get("step")
+    if step is None:
+        return "joining"
+    behind = max_step - int(step)
+    if behind > 1:
+        return "healing" if member.get("in_quorum") else f"behind by {behind}"
+    if member.get("waiting") and not member.get("in_quorum"):
+        return "waiting for quorum"
+    return "training"
+
+
+def member_rows(status: dict[str, Any]) -> list[dict[str, Any]]:
+    """The members, plus the last quorum's participants that have left since (state "lost")."""
+    rows = [dict(m, state=member_state(m, status["max_step"])) for m in status["members"]]
+    present = {m["replica_id"] for m in rows}
+    quorum = status.get("quorum") or {}
+    for p in quorum.get("participants", []):
+        if p["replica_id"] not in present:
+            rows.append(dict(p, healthy=False, in_quorum=True, waiting=False, state="lost"))
+    return rows
+
+
+COLUMNS = ("replica", "state", "step", "manager", "store", "world size", "heartbeat")
+
+
+def _cells(m: dict[str, Any]) -> list[str]:
+    age = m.get("heartbeat_age_s")
+    step = m.get("step")
+    return [m["replica_id"], m["state"], "-" if step is None else str(step), m.get("address") or "-",
+            m.get("store_address") or "-", str(m.get("world_size") or "-"),
+            "-" if age is None else f"{age:.1f} s ago"]
+
+
+def title(status: dict[str, Any]) -> str:
+    quorum = status.get("quorum")
+    return (f"quorum {status['quorum_id']}: {len(quorum['participants'])} participants, "
+            f"issued {quorum['age_s']:.1f} s ago" if quorum else "no quorum issued yet")
+
+
 def render(status: dict[str, Any]) -> Any:
-    """A rich Table of the members, titled with the quorum."""
+    """A rich Table of the members, titled with the quorum (for a terminal)."""
     from rich.table import Table
 
-    quorum = status.get("quorum")
-    title = (f"quorum {status['quorum_id']}: {len(quorum['participants'])} participants, "
-             f"issued {quorum['age_s']:.1f} s ago" if quorum else "no quorum issued yet")
-    table = Table(title=title, caption=f"max step {status['max_step']} · min_replicas {status['min_replicas']}")
-    for column in ("replica", "state", "step", "manager", "store", "world size", "heartbeat"):
-        table.add_column(column)
-    for m in status["members"]:
-        if not m["healthy"]:
-            state = "[red]dead[/red]"
-        elif m.get("recovering"):
-            state = "[yellow]recovering[/yellow]"
-        elif m["waiting"]:
-            state = "[yellow]waiting[/yellow]"
-        elif m["in_quorum"]:
-            state = "[green]in quorum[/green]"
-        else:
-            state = "alive"
-        age = m.get("heartbeat_age_s")
-        step = m.get("step")
-        table.add_row(m["replica_id"], state, "-" if step is None else str(step), m.get("address") or "-",
-                      m.get("store_address") or "-", str(m.get("world_size") or "-"),
-                      "-" if age is None else f"{age:.1f} s ago")
+    colors = {"lost": "red", "training": "green"}
+    table = Table(title=title(status), caption=f"max step {status['max_step']} · min_replicas {status['min_replicas']}")
+    for column in COLUMNS:
+        table.add_column(column, overflow="fold")
+    for m in member_rows(status):
+        cells = _cells(m)
+        color = colors.get(m["state"], "yellow")
+        cells[1] = f"[{color}]{cells[1]}[/{color}]"
+        table.add_row(*cells)
     return table
+
+
+def render_plain(status: dict[str, Any]) -> str:
+    """The same table as aligned plain text with every value in full (for pipes, grep and awk)."""
+    table = [list(COLUMNS)] + [_cells(m) for m in member_rows(status)]
+    widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
+    lines = [title(status), *("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table),
+             f"max step {status['max_step']} · min_replicas {status['min_replicas']}"]
+    return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
     from rich.console import Console
-    from rich.markup import escape
 
     parser = argparse.ArgumentParser(prog="ftl status", description="Show the lighthouse's quorum and members.")
     parser.add_argument("--lighthouse", default=None,
@@ -107,14 +150,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print the raw /status JSON")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the lighthouse")
     opts = parser.parse_args(argv)
-    console = Console()
     try:
         status = fetch_status(opts.lighthouse, opts.token or os.environ.get("FT_TOKEN") or None, opts.timeout)
     except (ConfigError, RPCError) as exc:
-        Console(stderr=True).print(f"[red]ftl status: {escape(str(exc))}[/red]")
+        print(f"ftl status: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     if opts.json:
         print(json.dumps(status, indent=2))
+        return 0
+    console = Console()
+    if not console.is_terminal:  # piped: nothing truncated or wrapped
+        print(render_plain(status))
+        print(f"next quorum: {status['reason']}")
         return 0
     console.print(render(status))
     console.print(f"next quorum: {status['reason']}", markup=False)

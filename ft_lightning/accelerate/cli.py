@@ -9,15 +9,23 @@ argument to Accelerate's own launcher, in this process. One replica group = one 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import os
+import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ft_core.errors import ConfigError
-from ft_lightning.accelerate.config import (default_config_path, flag_name, load_config, resolve_launch_settings,
-                                            save_config)
+from ft_lightning.accelerate.config import (
+    default_config_path,
+    flag_name,
+    load_config,
+    resolve_launch_settings,
+    save_config,
+)
 from ft_lightning.accelerate.plugin import SETTINGS, parse_setting, settings_to_env
 
 USAGE = """usage: ftl accelerate <command> [options]
@@ -189,6 +197,66 @@ def run_cpu_processes_with_torchrun(args: argparse.Namespace, environ: dict[str,
     return True
 
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _prctl() -> Any:
+    """libc's prctl, resolved before any fork (None off Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+@contextlib.contextmanager
+def workers_in_our_process_group() -> Iterator[None]:
+    """While Accelerate runs torchrun in this process, start its workers in OUR process group.
+
+    torchrun starts each worker in a session of its own, so a kill of the launcher's process group
+    (a job scheduler, `ftl launch`, Ctrl-C in a terminal) left them running: a second incarnation of
+    the same replica group then met the old one in the quorum. Here they stay in the launcher's
+    process group, and torchrun signals each worker directly when it stops them. On Linux each worker
+    also gets SIGKILL when the launcher dies (PR_SET_PDEATHSIG), so a kill of the launcher alone ends
+    them too.
+    """
+    from torch.distributed.elastic.multiprocessing import api as elastic_api
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+        SubprocessHandler,
+    )
+
+    prctl = _prctl()
+
+    def die_with_launcher() -> None:  # runs in the child between fork and exec: no allocation, no imports
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+
+    class SameGroupHandler(SubprocessHandler):
+        def _popen(self, args: tuple, env: dict[str, str]) -> subprocess.Popen:
+            return subprocess.Popen(args=args, env=env, stdout=self._stdout, stderr=self._stderr,
+                                    preexec_fn=die_with_launcher)
+
+        def close(self, death_sig: Any = None) -> None:
+            if self.proc.poll() is None:
+                self.proc.send_signal(death_sig or signal.SIGTERM)
+            for stream in (self._stdout, self._stderr):
+                if stream:
+                    stream.close()
+
+    def get_handler(entrypoint: str, args: tuple, env: dict[str, str], stdout: Any, stderr: Any,
+                    local_rank_id: int, numa_options: Any = None) -> SubprocessHandler:
+        return SameGroupHandler(entrypoint=entrypoint, args=args, env=env, stdout=stdout, stderr=stderr,
+                                local_rank_id=local_rank_id, numa_options=numa_options)
+
+    previous = elastic_api.get_subprocess_handler
+    elastic_api.get_subprocess_handler = get_handler
+    try:
+        yield
+    finally:
+        elastic_api.get_subprocess_handler = previous
+
+
 def _print_launch_summary(values: Mapping[str, Any], sources: Mapping[str, str], config_path: str | None) -> None:
     console = _console(stderr=True)
     where = f" (config file {config_path})" if config_path else ""
@@ -217,7 +285,8 @@ def launch_main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        launch_command(args)
+        with workers_in_our_process_group():
+            launch_command(args)
     except subprocess.CalledProcessError as exc:  # the one worker of a single-process group failed
         _console(stderr=True).print(f"[red]replica group worker exited with status {exc.returncode}[/red]")
         return exc.returncode if exc.returncode and exc.returncode > 0 else 1

@@ -16,10 +16,26 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ft_core.tools.launch_command import FaultInjector, GroupState, LaunchEvent, Launcher, StopSignals, start_lighthouse, status_url
+from ft_core.tools.launch_command import (
+    FaultInjector,
+    GroupState,
+    Launcher,
+    LaunchEvent,
+    StopSignals,
+    start_lighthouse,
+    status_url,
+)
 from ft_lightning.demo.display import DemoView, GroupRow, LiveDisplay
-from ft_lightning.demo.report import (GroupSeries, build_report, failure_outcomes, load_series, parse_lines,
-                                      step_times, write_report)
+from ft_lightning.demo.report import (
+    GroupSeries,
+    build_report,
+    failure_outcomes,
+    is_recovery_heal,
+    load_series,
+    parse_lines,
+    step_times,
+    write_report,
+)
 
 STARTUP_TIMEOUT_S = 240.0  # first commit; three cold Lightning imports on two busy cores take a while
 CONVERGE_TIMEOUT_S = 60.0  # after time is up: wait this long for every group to be training again
@@ -144,9 +160,12 @@ class DemoRun:
                 if rec.get("event") == "heal":
                     secs = rec.get("seconds")
                     took = f" in {secs:.2f}s" if isinstance(secs, (int, float)) else ""
-                    if rec.get("step"):
+                    if is_recovery_heal(s.heals[-1]):
                         self.note(f"group {g} healed from a live peer: state of step {rec.get('step')} "
                                   f"loaded{took}", "cyan")
+                    elif rec.get("step"):
+                        self.note(f"group {g} started late and caught up with its peers at step "
+                                  f"{rec.get('step')}{took}", "dim")
                     else:
                         self.note(f"group {g} copied the initial weights of a peer{took}", "dim")
                 elif rec.get("event") == "commit" and rec.get("committed"):
@@ -162,17 +181,18 @@ class DemoRun:
             state = group_state(st.state, s, st.incarnation, now)
             if state == "waiting" and self.target_step is not None and (s.last_step or 0) >= self.target_step:
                 state = "stopping"
+            current = state not in ("dead", "restarting", "starting", "lost")  # old quorum values mean nothing now
             rows.append(GroupRow(
                 group=g, state=state, step=s.last_step,
                 loss=s.last_loss,
-                quorum_id=s.quorum_id[-1] if s.quorum_id else None,
-                participants=s.num_participants[-1] if s.num_participants else None,
+                quorum_id=s.quorum_id[-1] if s.quorum_id and current else None,
+                participants=s.num_participants[-1] if s.num_participants and current else None,
                 restarts=st.incarnation, failures=len(mine), survived=sum(1 for o in mine if o["survived"])))
         steps = [s.last_step for s in self.series.values() if s.last_step is not None]
         phase = self.phase if self.target_step is None else f"{self.phase} (stop at step {self.target_step})"
         return DemoView(elapsed_s=time.time() - self.t0, phase=phase, kills=len(self.kills),
                         steps_committed=max(steps, default=0),
-                        heals=sum(1 for s in self.series.values() for h in s.heals if h.get("step")), rows=rows)
+                        heals=sum(1 for s in self.series.values() for h in s.heals if is_recovery_heal(h)), rows=rows)
 
     # ------------------------------------------------------------------ the state machine
 
@@ -346,14 +366,17 @@ def _summary(console: Any, table_cls: Any, report: dict[str, Any], series: dict[
     t = table_cls(title="ftl demo: summary", show_header=False)
     t.add_row("steps committed", str(report["steps_committed"]))
     t.add_row("failures injected", str(report["failures_injected"]))
-    t.add_row("failures survived", str(report["failures_survived"]))
+    injected = report["failures_injected"]
+    t.add_row("failures survived", f"{report['failures_survived']} of {injected}" if injected else "-")
     t.add_row("heals", str(report["heals"]))
     heal, back = report["heal_time_s"], report["recovery_time_s"]
     t.add_row("time to heal (p50 / max)", f"{secs(heal['p50'])} / {secs(heal['max'])}")
     t.add_row("kill to training again (p50 / max)", f"{secs(back['p50'])} / {secs(back['max'])}")
     t.add_row("longest commit gap", secs(report["longest_commit_gap_s"]))
-    t.add_row("final weights", "identical in every group" if report["weights_identical"] else "NOT identical")
+    t.add_row("final weights", report["weights"])
     console.print(t)
+    for note in report["failure_notes"]:
+        console.print(f"[yellow]{note}[/]")
     sample = next((s.end.get("sample") for s in series.values() if s.end and s.end.get("sample")), None)
     if sample:
         console.print("[dim]the model now writes:[/]", repr(sample))

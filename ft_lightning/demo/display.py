@@ -27,8 +27,8 @@ class GroupRow:
     quorum_id: int | None
     participants: int | None
     restarts: int
-    failures: int  # times this group was killed
-    survived: int  # ... and came back
+    failures: int  # times the demo killed this group (its own crashes are not counted)
+    survived: int  # ... and it trained again afterwards
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def render(view: DemoView) -> RenderableType:
     table = Table(expand=False, show_edge=True, pad_edge=True)
     for name, justify in (("group", "right"), ("state", "left"), ("step", "right"), ("loss", "right"),
                           ("quorum", "right"), ("in quorum", "right"), ("restarts", "right"),
-                          ("failures survived", "right")):
+                          ("killed", "right"), ("came back", "right")):
         table.add_column(name, justify=justify)
     for r in view.rows:
         table.add_row(
@@ -63,7 +63,8 @@ def render(view: DemoView) -> RenderableType:
             "-" if r.quorum_id is None else str(r.quorum_id),
             "-" if r.participants is None else str(r.participants),
             str(r.restarts),
-            f"{r.survived}/{r.failures}",
+            str(r.failures),
+            str(r.survived),
         )
     return Group(header, table)
 

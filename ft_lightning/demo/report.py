@@ -52,7 +52,7 @@ class GroupSeries:
             self.last_quorum = dict(rec)
             self.healing = bool(rec.get("heal"))
         elif kind == "heal":
-            self.heals.append(dict(rec))
+            self.heals.append({**rec, "incarnation": self.incarnation})
             self.healing = False
         elif kind == "commit":
             if not rec.get("committed", True):
@@ -161,20 +161,42 @@ def failure_outcomes(series: Mapping[int, GroupSeries], kills: Sequence[Mapping[
         back = [when for when in series[victim].time if when > t] if victim in series else []
         recovery = (back[0] - t) if back else None
         survived = others_went_on and (bool(back) or not restart)
-        out.append({**k, "step": job_step_at(series, t), "survived": survived,
+        out.append({**k, "step": job_step_at(series, t), "survived": survived, "others_went_on": others_went_on,
                     "recovery_s": None if recovery is None else round(recovery, 3)})
     return out
 
 
-def weights_verdict(series: Mapping[int, GroupSeries]) -> tuple[bool, dict[int, Any]]:
-    """(all groups ended at the same step with the same weight digest, per-group {step, sha256})."""
+def weights_verdict(series: Mapping[int, GroupSeries]) -> tuple[bool | None, dict[int, Any]]:
+    """(True: every group ended at the same step with the same weight digest; False: they differ; None: not
+    compared, because some group did not end with a digest; per-group {step, sha256})."""
     finals = {g: ({"step": s.end.get("step"), "weights_sha256": s.end.get("weights_sha256")} if s.end else None)
               for g, s in series.items()}
-    ended = [f for f in finals.values() if f is not None]
-    identical = (len(ended) == len(finals) and len(ended) > 0
-                 and len({(f["step"], f["weights_sha256"]) for f in ended}) == 1
-                 and ended[0]["weights_sha256"] is not None)
-    return identical, finals
+    ended = [f for f in finals.values() if f is not None and f["weights_sha256"] is not None]
+    if not finals or len(ended) != len(finals):
+        return None, finals
+    return len({(f["step"], f["weights_sha256"]) for f in ended}) == 1, finals
+
+
+def weights_text(identical: bool | None, finals: Mapping[Any, Any] | None = None) -> str:
+    """The verdict in words: a comparison that did not happen is never called a difference."""
+    if identical is None:
+        missing = sorted(str(g) for g, f in (finals or {}).items() if not f or not f.get("weights_sha256"))
+        why = f": group(s) {', '.join(missing)} did not finish" if missing else ""
+        return f"not compared{why}"
+    return "identical in every group" if identical else "NOT identical"
+
+
+def failure_notes(outcomes: Sequence[Mapping[str, Any]], started_at: float) -> list[str]:
+    """Why each injected failure counts as not survived, one line each."""
+    notes = []
+    for o in outcomes:
+        if o["survived"]:
+            continue
+        when = f"{float(o['time']) - started_at:.1f}s"
+        why = ("no other group committed a step after it" if not o.get("others_went_on", True)
+               else f"group {o['group']} did not train again before the end")
+        notes.append(f"failure {o['index']} (group {o['group']} killed at {when}): not survived, {why}")
+    return notes
 
 
 def build_report(series: Mapping[int, GroupSeries], kills: Sequence[Mapping[str, Any]], *,
@@ -182,7 +204,7 @@ def build_report(series: Mapping[int, GroupSeries], kills: Sequence[Mapping[str,
                  restart: bool = True, ok_launch: bool = True) -> dict[str, Any]:
     """The numbers the demo promises, plus per-group series for plotting."""
     outcomes = failure_outcomes(series, kills, restart)
-    heals = [h for s in series.values() for h in s.heals if _is_recovery(h)]
+    heals = [h for s in series.values() for h in s.heals if is_recovery_heal(h)]
     heal_secs = [float(h["seconds"]) for h in heals if h.get("seconds") is not None]
     recoveries = [o["recovery_s"] for o in outcomes if o["recovery_s"] is not None]
     identical, finals = weights_verdict(series)
@@ -197,24 +219,27 @@ def build_report(series: Mapping[int, GroupSeries], kills: Sequence[Mapping[str,
         "failures_injected": len(outcomes),
         "failures_survived": survived,
         "heals": len(heals),  # a group behind the others loaded a live peer's state
-        "initial_syncs": sum(1 for s in series.values() for h in s.heals if not _is_recovery(h)),
+        "initial_syncs": sum(1 for s in series.values() for h in s.heals if not is_recovery_heal(h)),
         "steps_committed": steps[-1][0] if steps else 0,
         "uncommitted_steps": sum(s.uncommitted for s in series.values()),
         "heal_time_s": {"p50": _round(percentile(heal_secs, 50)), "max": _round(max(heal_secs, default=None))},
         "recovery_time_s": {"p50": _round(percentile(recoveries, 50)), "max": _round(max(recoveries, default=None))},
         "longest_commit_gap_s": round(longest_commit_gap(series), 3),
-        "weights_identical": identical,
+        "weights_identical": identical,  # None: not compared (a group did not finish)
+        "weights": weights_text(identical, finals),
+        "failure_notes": failure_notes(outcomes, started_at),
         "final": {str(g): f for g, f in finals.items()},
         "failures": outcomes,
         "series": {str(g): _series_json(s, started_at) for g, s in series.items()},
     }
-    report["success"] = bool(ok_launch and identical and survived == len(outcomes))
+    report["success"] = bool(ok_launch and identical is True and survived == len(outcomes))
     return report
 
 
-def _is_recovery(heal: Mapping[str, Any]) -> bool:
-    """A heal after training began; at step 0 every group copies the first one's initial weights."""
-    return bool(heal.get("step"))
+def is_recovery_heal(heal: Mapping[str, Any]) -> bool:
+    """A heal of a restarted group: at step 0 every group copies the first one's initial weights, and a
+    group that started late catches up once; neither is a failure healed."""
+    return bool(heal.get("step")) and int(heal.get("incarnation", 1) or 0) > 0
 
 
 def _round(x: float | None) -> float | None:
@@ -335,7 +360,7 @@ def _busy_spans(times: Sequence[float], gap_s: float = 1.5) -> list[tuple[float,
 
 
 def _title(report: Mapping[str, Any]) -> str:
-    same = "identical" if report.get("weights_identical") else "NOT identical"
+    same = report.get("weights") or weights_text(report.get("weights_identical"))
     return (f"{report['groups']} replica groups  |  failures injected {report['failures_injected']}, "
             f"survived {report['failures_survived']}  |  heals {report['heals']}  |  final weights {same}")
 

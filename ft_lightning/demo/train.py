@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, IterableDataset
 import lightning.pytorch as pl
 
 from ft_lightning import FaultTolerantDDPStrategy
+from ft_lightning._events import attach_console
 
 VOCAB = "\n" + "".join(chr(c) for c in range(32, 127))  # 96 symbols; anything else reads as "?"
 UNKNOWN = VOCAB.index("?")
@@ -152,6 +153,7 @@ class FTEventRecorder(logging.Handler):
         super().__init__(level=logging.INFO)
         self.log, self.model = log, model
         self.quorum_id: int | None = None
+        self.heal_to: int | None = None  # the step the last quorum told this group to heal to
         self.healed_this_step = False
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -161,12 +163,14 @@ class FTEventRecorder(logging.Handler):
         kind = ev.get("type")
         if kind == "quorum":
             self.quorum_id = ev.get("quorum_id")
+            self.heal_to = ev.get("max_step") if ev.get("heal") else None
             self.log.write("quorum", step=ev.get("step"), quorum_id=self.quorum_id,
                            num_participants=ev.get("num_participants"), heal=bool(ev.get("heal")),
                            replica_rank=ev.get("replica_rank"), max_step=ev.get("max_step"))
         elif kind == "heal":
             self.healed_this_step = True
-            self.log.write("heal", step=ev.get("step"), seconds=ev.get("seconds"), nbytes=ev.get("nbytes"),
+            step = self.heal_to if self.heal_to is not None else ev.get("step")  # adopted later, at commit
+            self.log.write("heal", step=step, seconds=ev.get("seconds"), nbytes=ev.get("nbytes"),
                            source=ev.get("source_replica_rank"))
         elif kind == "commit":
             # A healing group computed its loss with the weights it then replaced: not worth plotting.
@@ -239,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     data = CharWindows(encode(load_corpus()), args.seq_len, seed=args.seed * 1_000_003 + group * 7919 + incarnation)
     loader = DataLoader(data, batch_size=args.batch_size, num_workers=0)
     recorder = FTEventRecorder(log, model)
+    attach_console()  # membership changes, heals and failed steps as one line each in the group's log
     events_logger = logging.getLogger("ft_core.events")
     events_logger.setLevel(logging.INFO)
     events_logger.addHandler(recorder)
