@@ -30,6 +30,7 @@ from accelerate.utils import DistributedType
 from ft_core import ddp
 from ft_core.data import global_shard
 from ft_core.errors import ConfigError
+from ft_lightning._events import attach_console
 from ft_core.manager import Manager, WorldSizeMode
 from ft_core.process_groups import ProcessGroupDelegate, ProcessGroupGloo, ProcessGroupNCCL
 from ft_lightning.accelerate.plugin import FaultTolerancePlugin
@@ -116,6 +117,7 @@ class FaultTolerantAccelerator(Accelerator):
         logger.info("replica group %s, group rank %d/%d: %s", self.ft.replica_group_id, self.process_index,
                     self.num_processes, self.ft.describe())
         self._ft_rng_at_window_start: dict[str, Any] = rng_state()
+        attach_console()  # one line per membership change, heal and failed step on the console
         self.ft_manager = self._create_manager()
         # The source sends its state from the quorum thread in the middle of its step: the RNG states
         # it sends are those captured at the start of that step's window (never read mid-forward).
