@@ -3,6 +3,7 @@ and every process a test starts is ended through the handle it was spawned with.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -111,3 +112,15 @@ def processes() -> Iterator[Processes]:
 
 
 from netns import simulated_hosts  # noqa: E402,F401  (multi-host fixture: simulated hosts, tests/netns.py)
+
+
+@pytest.fixture(autouse=True)
+def _restore_the_events_logger() -> Iterator[None]:
+    """The integrations attach a console handler to "ft_core.events" (once per process); an in-process
+    test must not leave it, or its level and propagation, to the tests after it."""
+    events = logging.getLogger("ft_core.events")
+    saved = (list(events.handlers), events.level, events.propagate)
+    yield
+    events.handlers[:] = saved[0]
+    events.setLevel(saved[1])  # setLevel, not the attribute: it clears the loggers' enabled-for caches
+    events.propagate = saved[2]
