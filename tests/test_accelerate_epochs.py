@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import REPO_ROOT, child_env
@@ -38,6 +39,13 @@ def test_plain_epoch_loop_after_kill_and_restart_ends_identical(processes, tmp_p
         survivor = start(processes, tmp_path, lighthouse.address(), 0, "survivor", "--sleep", "0.5")
         victim = start(processes, tmp_path, lighthouse.address(), 1, "victim", "--kill-at-step", "10")
         assert victim.wait(timeout=90) == -9, text(tmp_path, "victim.out")[-3000:]
+        # Restart once the survivor is past its first epoch, so the heal has epochs to land across
+        # (on a loaded machine the victim can die before the survivor got there).
+        deadline = time.monotonic() + 60
+        log = tmp_path / "survivor.jsonl"
+        while time.monotonic() < deadline and not (log.exists() and any(
+                json.loads(line).get("epoch", 0) >= 1 for line in log.read_text().splitlines()[:-1] if line.strip())):
+            time.sleep(0.1)  # [:-1]: the last line may still be being written
         restarted = start(processes, tmp_path, lighthouse.address(), 1, "restarted")
         assert restarted.wait(timeout=90) == 0, text(tmp_path, "restarted.out")[-3000:]
         assert survivor.wait(timeout=60) == 0, text(tmp_path, "survivor.out")[-3000:]
