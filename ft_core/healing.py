@@ -9,7 +9,7 @@ blocks ~0.2 s (grpc's connectivity poller), which would stall every group waitin
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -49,7 +49,6 @@ class FetchedHeal:
     nbytes: int
     loaded: bool = False
     load_seconds: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def bandwidth_mb_s(self) -> float:
