@@ -7,7 +7,8 @@ Modes (each job is 2 processes; the ft/torchft modes are 2 replica groups x 1 pr
   `FaultTolerantDDPStrategy`; step time = callback's on_train_batch_start -> on_train_batch_end;
 - `accelerate_ddp`: plain Accelerate DDP (multi-CPU, gloo); `accelerate_ft`: our
   `FaultTolerantAccelerator`; step time = the training loop's iteration.
-Writes {"mode", "rank", "step_times_s"} as JSON to --out.
+Writes {"mode", "rank", "step_times_s", "phases_s"} as JSON to --out; phases_s (core API, torch DDP and
+torchft): per timed step, the wall time of zero_grad / forward / backward / step and the process CPU time.
 """
 
 from __future__ import annotations
@@ -15,26 +16,79 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import threading
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks import _models
 
+PHASES = ("zero_grad", "forward", "backward", "step")
+_PHASE_TIMES: dict[str, list[float]] = {}  # filled by the core-API, torch DDP and torchft modes
+_EXTRA: dict[str, Any] = {}  # thread_cpu_ms (with phases); core API: bucket_copies
 
-def _train(model, optimizer, args, before_step=None) -> list[float]:
+
+def _thread_kind(name: str) -> str:
+    """A thread's name without the per-run parts: `ft-quorum[bench_0:9f2c/0]_0` -> `ft-quorum`."""
+    name = name.split("[")[0].split("-bench_")[0]
+    return re.sub(r"[-_ ]?\(?\d+\)?$", "", name) or name
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds so far of this process's live threads, summed by kind (Linux /proc; {} elsewhere)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as fh:
+                stat = fh.read()
+        except OSError:  # the thread just ended
+            continue
+        kind = _thread_kind(names.get(int(tid)) or stat[stat.index("(") + 1:stat.rindex(")")])
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _train(model, optimizer, args, phases: dict[str, list[float]] | None = None) -> list[float]:
+    """The timed loop; `phases` (when given) gets each timed step's wall time per phase and the
+    process CPU time of the step ("cpu": every thread of this process, ours and torch's), and
+    _EXTRA["thread_cpu_ms"] the CPU per timed step of each kind of thread (10 ms clock ticks)."""
     times = []
+    before: dict[str, float] = {}
     for step in range(args.warmup + args.steps):
         x, y = _models.batch(args.model, args.batch_size, step)
+        if step == args.warmup and phases is not None:
+            before = thread_cpu()
+        cpu0 = time.process_time()
         start = time.perf_counter()
         optimizer.zero_grad()
+        t1 = time.perf_counter()
         loss = F.cross_entropy(model(x), y)
+        t2 = time.perf_counter()
         loss.backward()
+        t3 = time.perf_counter()
         optimizer.step()
+        end = time.perf_counter()
         if step >= args.warmup:
-            times.append(time.perf_counter() - start)
+            times.append(end - start)
+            if phases is not None:
+                for name, value in zip(PHASES + ("cpu",), (t1 - start, t2 - t1, t3 - t2, end - t3,
+                                                           time.process_time() - cpu0)):
+                    phases.setdefault(name, []).append(value)
+    if phases is not None:
+        after = thread_cpu()
+        _EXTRA["thread_cpu_ms"] = {k: round((v - before.get(k, 0.0)) * 1000 / args.steps, 3)
+                                   for k, v in sorted(after.items(), key=lambda kv: -kv[1])}
     return times
 
 
@@ -46,7 +100,7 @@ def run_ddp(args) -> list[float]:
     try:
         model = torch.nn.parallel.DistributedDataParallel(_models.build(args.model))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        return _train(model, optimizer, args)
+        return _train(model, optimizer, args, _PHASE_TIMES)
     finally:
         dist.destroy_process_group()
 
@@ -63,7 +117,9 @@ def run_ft(args) -> list[float]:
     try:
         model = DistributedDataParallel(manager, _models.build(args.model))
         optimizer = OptimizerWrapper(manager, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
-        return _train(model, optimizer, args)
+        times = _train(model, optimizer, args, _PHASE_TIMES)
+        _EXTRA["bucket_copies"] = model._ft_hook_state.reducer.copies  # DDP buckets that missed the no-copy path
+        return times
     finally:
         manager.shutdown()
 
@@ -89,7 +145,7 @@ def run_torchft(args) -> list[float]:
                       store_port=store.port, hostname="127.0.0.1", timeout=timedelta(seconds=30))
     try:
         ddp_model = DistributedDataParallel(manager, model)
-        return _train(ddp_model, Optimizer(manager, inner), args)
+        return _train(ddp_model, Optimizer(manager, inner), args, _PHASE_TIMES)
     finally:
         manager.shutdown()
 
@@ -233,7 +289,8 @@ def main() -> None:
     torch.set_num_threads(1)
     times = MODES[args.mode](args)
     with open(args.out, "w") as fh:
-        json.dump({"mode": args.mode, "rank": args.rank, "step_times_s": times}, fh)
+        json.dump({"mode": args.mode, "rank": args.rank, "step_times_s": times, "phases_s": _PHASE_TIMES,
+                   **_EXTRA}, fh)
     os._exit(0)  # skip slow interpreter teardown of gRPC/torch threads; results are on disk
 
 

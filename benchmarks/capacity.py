@@ -2,17 +2,21 @@
 round trip's p99 passes 100 ms. Same process layout as benchmarks/quorum_latency.py (lighthouse in its
 own process, groups spread over worker processes), with rounds paced at the given rate.
 
-`python -m benchmarks.capacity [--quick] [--groups 16,32,64,128] [--hz 10] [--limit-ms 100] [--sim]`
+`python -m benchmarks.capacity [--quick] [--groups 16,32,64,128] [--hz 10] [--limit-ms 100] [--sim] [--all]
+[--no-baseline]`
 
---sim: simulated members as cheap as torchft's benchmark members (no torch import, many per process):
-each is one lighthouse client whose heartbeat stream carries its quorum requests, without a manager
-server, spread over --procs worker processes. Every row reports the lighthouse's CPU time per round.
+Members: each library's own manager server and client per group (torchft's in Rust), many per worker
+process, no torch import on our side. --sim adds simulated members of ours: one lighthouse client whose
+heartbeat stream carries its quorum requests, without a manager server. --all measures every group
+count (default: stop at the first one over the limit). Every row reports the lighthouse's CPU time per
+round and as a share of one core.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -27,7 +31,7 @@ def paced(impl: str, n_groups: int, hz: float, seconds: float, procs: int) -> di
     members = [f"group_{i:04d}" for i in range(n_groups)]
     latencies: list[float] = []
     late_rounds = 0
-    cpu_start = wall_start = 0.0
+    cpu_start = wall_start = members_start = 0.0
     try:
         for replica_id in members:
             job.add(replica_id)
@@ -35,7 +39,7 @@ def paced(impl: str, n_groups: int, hz: float, seconds: float, procs: int) -> di
         rounds = max(int(seconds * hz), 5)
         for rnd in range(rounds + 3):
             if rnd == 3:
-                cpu_start, wall_start = job.lighthouse_cpu_s(), time.monotonic()
+                cpu_start, members_start, wall_start = job.lighthouse_cpu_s(), job.members_cpu_s(), time.monotonic()
             started = time.monotonic()
             job.dispatch(rnd, members)
             got = job.collect()
@@ -50,29 +54,36 @@ def paced(impl: str, n_groups: int, hz: float, seconds: float, procs: int) -> di
             else:
                 late_rounds += 1
         cpu_s, wall_s = job.lighthouse_cpu_s() - cpu_start, time.monotonic() - wall_start
+        members_s = job.members_cpu_s() - members_start
     finally:
         job.close()
     return {"p50_ms": _harness.percentile(latencies, 50), "p99_ms": _harness.percentile(latencies, 99),
             "rounds_over_period": late_rounds, "lighthouse_cpu_ms_per_round": 1000 * cpu_s / rounds,
-            "lighthouse_cpu_percent": 100 * cpu_s / wall_s if wall_s > 0 else 0.0}
+            "lighthouse_cpu_percent": 100 * cpu_s / wall_s if wall_s > 0 else 0.0,
+            "member_cpu_ms_per_group_round": 1000 * members_s / (rounds * n_groups),
+            "load_average": os.getloadavg()[0]}
 
 
 def run(quick: bool = False, groups: Sequence[int] | None = None, hz: float = 10.0, limit_ms: float = 100.0,
-        procs: int = 8, sim: bool = False) -> dict[str, Any]:
-    """Grow the group count until p99 passes `limit_ms`; report the largest count that stayed under it."""
-    groups = groups or ((16, 64) if quick else (16, 32, 64, 128, 192, 256))
-    seconds = 2.0 if quick else 5.0
-    impls = ["ft_core_sim" if sim else "ft_core"] + (["torchft"] if _harness.torchft_available() and not sim
-                                                     else [])
-    out: dict[str, Any] = {"hz": hz, "limit_ms": limit_ms}
+        procs: int = 8, sim: bool = False, every: bool = False, baseline: bool = True,
+        seconds: float | None = None) -> dict[str, Any]:
+    """Grow the group count until p99 passes `limit_ms` (`every`: measure all counts anyway); report the
+    largest count that stayed under it."""
+    groups = groups or ((16, 64, 128) if quick else (16, 32, 64, 128, 192, 256))
+    seconds = seconds or (2.0 if quick else 5.0)
+    impls = ["ft_core"] + (["ft_core_sim"] if sim else []) + \
+        (["torchft"] if baseline and _harness.torchft_available() else [])
+    out: dict[str, Any] = {"hz": hz, "limit_ms": limit_ms, "groups": list(groups)}
     for impl in impls:
         series: dict[int, dict[str, float]] = {}
-        capacity = 0
+        capacity, over = 0, False
         for n in groups:
             series[n] = stats = paced(impl, n, hz, seconds, procs)
-            if stats["p99_ms"] > limit_ms:
+            over = over or stats["p99_ms"] > limit_ms
+            if not over:
+                capacity = n  # every count up to n stayed under the limit
+            elif not every:
                 break
-            capacity = n
         out[impl] = {"series": series, "max_groups_under_limit": capacity,
                      "note": "" if capacity < groups[-1] else f"limit not reached at {groups[-1]} groups"}
     return out
@@ -84,22 +95,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups", default="", help="comma-separated group counts, ascending")
     parser.add_argument("--hz", type=float, default=10.0)
     parser.add_argument("--limit-ms", type=float, default=100.0)
-    parser.add_argument("--sim", action="store_true", help="simulated members (see above)")
-    parser.add_argument("--procs", type=int, default=None, help="worker processes (default 8; 2 with --sim)")
+    parser.add_argument("--sim", action="store_true", help="also simulated members of ours (see above)")
+    parser.add_argument("--all", action="store_true", help="measure every group count (no early stop)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip torchft even when installed")
+    parser.add_argument("--procs", type=int, default=8, help="worker processes (default 8)")
     parser.add_argument("--seconds", type=float, default=None, help="paced seconds per group count")
     opts = parser.parse_args(argv)
     groups = [int(g) for g in opts.groups.split(",") if g] or None
-    procs = opts.procs or (2 if opts.sim else 8)
-    result = run(opts.quick, groups, opts.hz, opts.limit_ms, procs, opts.sim) if opts.seconds is None else \
-        _run_for(opts, groups, procs)
+    result = run(opts.quick, groups, opts.hz, opts.limit_ms, opts.procs, opts.sim, opts.all, not opts.no_baseline,
+                 opts.seconds)
     print(json.dumps(result, indent=2))
     return 0
-
-
-def _run_for(opts: argparse.Namespace, groups: Sequence[int] | None, procs: int) -> dict[str, Any]:
-    """Every given group count for --seconds each (no early stop)."""
-    impl = "ft_core_sim" if opts.sim else "ft_core"
-    return {"hz": opts.hz, impl: {n: paced(impl, n, opts.hz, opts.seconds, procs) for n in groups or (16, 64)}}
 
 
 if __name__ == "__main__":

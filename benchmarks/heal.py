@@ -12,6 +12,13 @@
     Targets (reported, not asserted): restart to first commit <= 2.5 s, survivors' gap <= 0.5 s;
     the reference measured 5.1 s and 5.2 s on this kind of machine.
 (c) The commit vote's cost in steady state (should_commit wall time, one rank per group).
+(d) Survivors' steps lost per peer SIGKILL (`--kills N`, issue 15): three groups train the same MLP;
+    one is SIGKILLed N times, alternately during its forward pass and right after issuing its first
+    gradient reduction, and restarted after each kill. A survivor's step is lost when its vote fails
+    between the kill and its next two commits; counted for redo off (FT_REDO_STEP=0), redo on (the
+    default: redo when no reduction of the step was sent yet) and redo with copies (FT_REDO_COPY=1).
+    Also the healthy-path price of the copies: one copy of the gradients per step.
+    Target (reported, not asserted): 0 survivors' steps lost in >= 10 kills.
 """
 
 from __future__ import annotations
@@ -228,7 +235,94 @@ def _vote_cost(quick: bool) -> dict[str, Any]:
             "steps": steps}
 
 
-def run(quick: bool = False, throughput: bool = False, torchft: bool = True) -> dict[str, Any]:
+REDO_MODES: dict[str, dict[str, str]] = {"redo_off": {"FT_REDO_STEP": "0"}, "redo_on": {},
+                                         "redo_copy": {"FT_REDO_COPY": "1"}}
+KILL_POINTS = ("forward", "allreduce")
+
+
+def _failed_votes(group: Any) -> int:
+    return sum(1 for e in group.events() if e.get("type") == "commit" and not e.get("committed"))
+
+
+def _redone(group: Any) -> int:
+    return sum(1 for e in group.events() if e.get("type") == "redo" and e.get("replayed"))
+
+
+def _lost_steps(workdir: str, kills: int, env: dict[str, str]) -> dict[str, Any]:
+    """Kill group 2 `kills` times (alternating KILL_POINTS), restarting it each time; the survivors'
+    failed votes caused by each kill (between the kill and their next two commits)."""
+    from conftest import Processes
+    from ft_harness import Group, stop_all, wait_until
+
+    from ft_core.control.lighthouse import LighthouseServer
+
+    procs = Processes()
+    per_kill: list[dict[str, Any]] = []
+    rejoin_lost = 0
+    try:
+        with LighthouseServer(min_replicas=1, join_timeout_ms=2000) as lighthouse:
+            groups = [Group(procs, workdir, g, 3, lighthouse.address(), env=dict(env),
+                            args=["--steps", "1000000", "--timeout", "10", *MODEL_ARGS]) for g in range(3)]
+            for g in groups:
+                g.start()
+            wait_until(lambda: all(g.last_step() >= 3 for g in groups), 180, "all groups committing", groups)
+            victim, survivors = groups[2], groups[:2]
+            for i in range(kills):
+                point = KILL_POINTS[i % len(KILL_POINTS)]
+                failed, redone = [_failed_votes(g) for g in survivors], [_redone(g) for g in survivors]
+                victim.arm_kill(point)
+                victim.wait_exit(60)
+                marks = [g.last_step() for g in survivors]
+                wait_until(lambda: all(g.last_step() >= m + 2 for g, m in zip(survivors, marks)), 120,
+                           "survivors committing after the kill", groups)
+                lost = sum(_failed_votes(g) - f for g, f in zip(survivors, failed))
+                per_kill.append({"point": point, "survivor_steps_lost": lost,
+                                 "redone": sum(_redone(g) - r for g, r in zip(survivors, redone))})
+                after = sum(_failed_votes(g) for g in survivors)
+                victim.start()
+                wait_until(lambda: len(victim.commits()) >= 2, 180, "restarted group commits", groups)
+                rejoin_lost += sum(_failed_votes(g) for g in survivors) - after
+            stop_all(groups, timeout=120)
+    finally:
+        procs.end_all()
+    lost = [k["survivor_steps_lost"] for k in per_kill]
+    return {"kills": len(per_kill), "survivor_steps_lost": sum(lost),
+            "kills_with_a_lost_step": sum(1 for n in lost if n), "steps_redone": sum(k["redone"] for k in per_kill),
+            "by_point": {p: {"kills": sum(1 for k in per_kill if k["point"] == p),
+                             "survivor_steps_lost": sum(k["survivor_steps_lost"] for k in per_kill if k["point"] == p)}
+                         for p in KILL_POINTS},
+            "lost_while_the_victim_rejoined": rejoin_lost, "per_kill": per_kill}
+
+
+def _copy_cost(repeats: int = 50) -> dict[str, Any]:
+    """What FT_REDO_COPY adds to a healthy step: one copy of the gradients (this MLP, float32) into the
+    buffers ft_core.redo keeps from step to step."""
+    import torch
+
+    torch.set_num_threads(1)
+    numel = 1024 * 2048 + 2048 + 2048 * 768 + 768 + 768 * 4 + 4  # MODEL_ARGS' MLP
+    grads, kept = torch.randn(numel), torch.empty(numel)
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        kept.copy_(grads)
+        samples.append(time.perf_counter() - started)
+    return {"parameters": numel, "bytes": numel * 4, "copy_ms_p50": 1e3 * statistics.median(samples)}
+
+
+def lost_steps(kills: int, modes: tuple[str, ...] = tuple(REDO_MODES)) -> dict[str, Any]:
+    """Part (d) for each redo mode, plus the copy's healthy-path cost."""
+    out: dict[str, Any] = {}
+    for mode in modes:
+        with tempfile.TemporaryDirectory(prefix=f"ft-heal-{mode}-") as workdir:
+            out[mode] = _lost_steps(workdir, kills, REDO_MODES[mode])
+    out["copy_cost"] = _copy_cost()
+    out["target"] = {"survivor_steps_lost": 0, "kills": 10}
+    return out
+
+
+def run(quick: bool = False, throughput: bool = False, torchft: bool = True,
+        kills: int | None = None) -> dict[str, Any]:
     """Run every part; returns the numbers (also printed as a table by main). The transfer throughput
     is its own benchmark in the runner (`transfer`); `throughput=True` includes it here."""
     out: dict[str, Any] = {"throughput": _throughput(quick) if throughput else {"skipped": "run benchmarks.transport_throughput"}}
@@ -254,6 +348,9 @@ def run(quick: bool = False, throughput: bool = False, torchft: bool = True) -> 
                                    if out["torchft"][k] > 0}
     else:
         out["torchft"] = {"skipped": "torchft is not installed (pip install torchft-nightly)"}
+    kills = (4 if quick else 10) if kills is None else kills
+    modes = ("redo_off", "redo_on") if quick else tuple(REDO_MODES)  # quick: ~1 min per mode and 4 kills
+    out["lost_steps"] = lost_steps(kills, modes) if kills > 0 else {"skipped": "--kills 0"}
     return out
 
 
@@ -262,12 +359,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repeats and sizes")
     parser.add_argument("--throughput", action="store_true", help="also measure transfer throughput")
     parser.add_argument("--no-baseline", action="store_true", help="skip torchft even when installed")
+    parser.add_argument("--kills", type=int, default=None,
+                        help="peer SIGKILLs per redo mode for the survivors' lost steps (default 10 in each of "
+                             "redo off/on/copy; quick: 4, off and on only; 0: skip)")
+    parser.add_argument("--only-lost-steps", action="store_true", help="run part (d) alone")
     args = parser.parse_args(argv)
     from rich.console import Console
     from rich.table import Table
 
-    result = run(args.quick, args.throughput, not args.no_baseline)
     console = Console()
+    if args.only_lost_steps:
+        _print_lost_steps(console, lost_steps(10 if args.kills is None else args.kills))
+        return 0
+    result = run(args.quick, args.throughput, not args.no_baseline, args.kills)
     tp = result["throughput"]
     if isinstance(tp, dict) and "skipped" in tp:
         console.print(f"[yellow]transfer throughput skipped:[/] {tp['skipped']}")
@@ -298,7 +402,28 @@ def main(argv: list[str] | None = None) -> int:
     v = result["vote"]
     console.print(f"commit vote (should_commit, 1 rank per group): p50 {v['p50_ms']:.3f} ms, p99 {v['p99_ms']:.3f} ms "
                   f"over {v['steps']} steps (reference: ~13 ms)")
+    if "skipped" not in result["lost_steps"]:
+        _print_lost_steps(console, result["lost_steps"])
     return 0
+
+
+def _print_lost_steps(console: Any, lost: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    table = Table(title="survivors' steps lost per peer SIGKILL (target: 0 in >= 10 kills)")
+    for col in ("mode", "kills", "steps lost", "kills with a loss", "redone", *(f"lost ({p})" for p in KILL_POINTS)):
+        table.add_column(col, justify="right")
+    for mode in REDO_MODES:
+        r = lost.get(mode)
+        if r is None:
+            continue
+        table.add_row(mode, str(r["kills"]), str(r["survivor_steps_lost"]), str(r["kills_with_a_lost_step"]),
+                      str(r["steps_redone"]), *(f"{r['by_point'][p]['survivor_steps_lost']}/{r['by_point'][p]['kills']}"
+                                                for p in KILL_POINTS))
+    console.print(table)
+    c = lost["copy_cost"]
+    console.print(f"FT_REDO_COPY healthy-path cost: one copy of {c['bytes'] / 1e6:.1f} MB of gradients per step, "
+                  f"p50 {c['copy_ms_p50']:.2f} ms")
 
 
 if __name__ == "__main__":

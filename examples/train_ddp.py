@@ -265,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                        "replica_id": manager.replica_id}, f)
     print(f"group {replica_group_id} rank {rank}: done at step {manager.current_step()} digest {digest[:16]}",
           flush=True)
+    manager.finish()  # the normal end: a group restarted after it is refused instead of retraining the job alone
     manager.shutdown()
     pg.shutdown()
     if world_size > 1:

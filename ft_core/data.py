@@ -415,7 +415,20 @@ class DistributedSampler(torch.utils.data.distributed.DistributedSampler):
                          for p in ranks[self.group_rank])
         self.last_batch = BatchRecord(pos.step, pos.epoch, drawn.indices if real else (), rank, n, real,
                                       outcome.held, consumed)
+        on_redo = getattr(manager, "on_redo", None)  # a step redone without a lost peer re-sums the votes
+        if on_redo is not None:
+            on_redo(votes, lambda: self._revote(votes, outcome, pieces, order))
         return 1.0 if real else 0.0
+
+    def _revote(self, votes: torch.Tensor, outcome: _Outcome, pieces: list, order: list[int]) -> None:
+        """The step was redone without a lost peer (ft_core.redo): its batch is not consumed, ours still are."""
+        held = tuple(int(v) > 0 for v in votes.tolist()[:outcome.num_participants])
+        with self._lock:
+            if self._outcome is outcome:
+                self._outcome = dataclasses.replace(outcome, held=held)
+        consumed = tuple(order[p] for r, ranks in enumerate(pieces) if held[r] for p in ranks[self.group_rank])
+        if self.last_batch is not None:
+            self.last_batch = dataclasses.replace(self.last_batch, held=held, consumed=consumed)
 
     def _settle(self) -> None:
         """Apply this attempt's consumption once the Manager has committed its step (lock held)."""

@@ -119,6 +119,9 @@ class _CanonicalReducer:
         self._where = {id(p): ci for ci, chunk in enumerate(self._chunks) for p in chunk.params}
         self._next = 0
         self.copies = 0  # buckets that needed the copy path (for tests and benchmarks)
+        # the parameters' .grad hold this rank's own gradients until DDP's finalize (no bucket views, no
+        # intra-group average): a failed reduction's input can be rebuilt from them (ft_core.redo)
+        self.restorable = False
 
     def reset(self) -> None:
         with self._lock:
@@ -134,20 +137,20 @@ class _CanonicalReducer:
         """Hand over one DDP bucket's (group-averaged) gradients; the future completes with `buffer`
         holding the cross-group average once every chunk it touches is reduced."""
         with self._lock:
-            try:
-                chunk_ids = [self._where[id(p)] for p in params]
-            except KeyError:
-                raise FTError("a DDP bucket holds a parameter this fault-tolerant hook does not know; build the "
-                              "hook from the same module DDP wraps (parameters_to_ignore must match)") from None
-            first = self._chunks[chunk_ids[0]]
+            first = self._chunks[self._where[id(params[0])]] if params and id(params[0]) in self._where else None
             state = _BucketState(buffer, 0)
-            if len(set(chunk_ids)) == 1 and [id(p) for p in first.params] == [id(p) for p in params] \
-                    and buffer.numel() == first.numel:
+            if first is not None and buffer.numel() == first.numel and len(params) == len(first.params) \
+                    and all(a is b for a, b in zip(params, first.params)):  # the bucket is the chunk: no copy
                 first.fast = buffer
                 first.filled = first.numel
                 first.waiters.append((state, []))
                 state.remaining = 1
             else:
+                try:
+                    chunk_ids = [self._where[id(p)] for p in params]
+                except KeyError:
+                    raise FTError("a DDP bucket holds a parameter this fault-tolerant hook does not know; build the "
+                                  "hook from the same module DDP wraps (parameters_to_ignore must match)") from None
                 self.copies += 1
                 per_chunk: dict[int, list[tuple[torch.Tensor, int, int]]] = {}
                 for p, g, ci in zip(params, grads, chunk_ids):
@@ -180,6 +183,27 @@ class _CanonicalReducer:
         work = self._manager.allreduce(tensor, ReduceOp.AVG)
         fut = getattr(work, "_fut", None) or work.get_future()
         fut.add_done_callback(lambda _f, chunk=chunk: self._finish(chunk))
+        on_redo = getattr(self._manager, "on_redo", None)  # a redone step rewrites the gradients (ft_core.redo)
+        if on_redo is not None:
+            on_redo(tensor, lambda chunk=chunk, tensor=tensor: self._rewrite_grads(chunk, tensor),
+                    (lambda chunk=chunk, tensor=tensor: self._restore_input(chunk, tensor)) if self.restorable
+                    else None)
+
+    def _restore_input(self, chunk: _Chunk, tensor: torch.Tensor) -> bool:
+        """A failed reduction of `tensor`: refill it with the chunk's local gradients (before DDP's finalize)."""
+        for p in chunk.params:
+            if p.grad is None:
+                return False
+            offset = chunk.offsets[id(p)]
+            tensor[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+        return True
+
+    def _rewrite_grads(self, chunk: _Chunk, tensor: torch.Tensor) -> None:
+        """After a redo reduced `tensor` (the chunk's flat gradients) again: copy it into the gradients."""
+        for p in chunk.params:
+            if p.grad is not None:
+                offset = chunk.offsets[id(p)]
+                p.grad.copy_(tensor[offset:offset + p.numel()].view_as(p.grad))
 
     def _finish(self, chunk: _Chunk) -> None:
         with self._lock:
@@ -272,13 +296,16 @@ def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, man
     first_cap = getattr(config, "first_bucket_bytes_cap", dist._DEFAULT_FIRST_BUCKET_BYTES)
     params = reducer_parameters(ddp_model.module, set(getattr(ddp_model, "parameters_to_ignore", ())))
     reducer = _CanonicalReducer(manager, params, first_cap, cap)
+    reducer.restorable = intra_group_pg is None and not getattr(ddp_model, "gradient_as_bucket_view", False)
     state = _HookState(manager, reducer, intra_group_pg)
     if intra_group_pg is not None:
         state.intra_size = dist.get_world_size(intra_group_pg)
     ddp_model.register_comm_hook(state, _ft_comm_hook)
     ddp_model._ft_hook_state = state  # type: ignore[attr-defined]
-    if getattr(ddp_model, "broadcast_buffers", True):  # DDP's own semantics, now across groups too
-        module = ddp_model.module
+    module = ddp_model.module
+    # DDP's own semantics, now across groups too; like DDP (which lists the buffers once, when it wraps),
+    # a module with no buffers then has none to sync: no per-step walk of its modules.
+    if getattr(ddp_model, "broadcast_buffers", True) and any(True for _ in module.buffers()):
         manager.register_buffers(module, lambda: list(module.buffers()))
 
 

@@ -43,3 +43,22 @@ class ProcessGroupError(FTError):
 
 class FTTimeoutError(FTError, TimeoutError):
     """A deadline passed. Also a builtin TimeoutError so `except TimeoutError` works."""
+
+
+class JobFinishedError(RPCError, QuorumError):
+    """This replica group joined a job that had already finished, at a step behind its end, with no live
+    group to heal from: it must not retrain the job alone (docs/guarantees.md, "A group that comes back
+    after the end").
+
+    Raised by the Manager's quorum (`should_commit()`, `start_quorum()` in sync mode). Catch it to resume
+    from the job's last durable checkpoint (load it so the Manager's step is `finished_step`) or end the
+    process; `finished_step`, `step` and `finished_groups` say where the job ended and where this group
+    was (None / empty when the message did not carry them)."""
+
+    def __init__(self, message: str, *, peer: str = "", call: str = "", code: str = "OUT_OF_RANGE",
+                 finished_step: int | None = None, step: int | None = None,
+                 finished_groups: tuple[str, ...] = ()) -> None:
+        super().__init__(message, peer=peer, call=call, code=code)
+        self.finished_step = finished_step
+        self.step = step
+        self.finished_groups = finished_groups

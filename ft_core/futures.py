@@ -53,20 +53,27 @@ class _Timer:
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._wake_at = float("inf")  # when the thread wakes next by itself (inf: only when notified)
 
     def schedule(self, delay_s: float, callback: Callable[[], None]) -> int:
+        """The thread is woken only when this deadline is earlier than its next wake-up: with one
+        timeout per collective (the same for all of them) that is about once per timeout, not per op."""
         with self._cond:
             handle = next(self._seq)
-            heapq.heappush(self._heap, (time.monotonic() + max(delay_s, 0.0), handle))
+            deadline = time.monotonic() + max(delay_s, 0.0)
+            heapq.heappush(self._heap, (deadline, handle))
             self._live[handle] = callback
             self._stopping = False
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="ft-timer", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            if deadline < self._wake_at:
+                self._wake_at = deadline  # the thread sleeps until then at most (set again when it runs)
+                self._cond.notify()
             return handle
 
     def cancel(self, handle: int) -> None:
+        """No wake-up: a cancelled entry leaves the heap when the thread next wakes (or now, when none is live)."""
         with self._cond:
             self._live.pop(handle, None)
             if not self._live:
@@ -94,14 +101,17 @@ class _Timer:
                 if self._stopping and not self._live:
                     self._stopping = False
                     self._thread = None
+                    self._wake_at = float("inf")
                     return None
                 if not self._heap:
+                    self._wake_at = float("inf")
                     self._cond.wait()
                     continue
-                wait = self._heap[0][0] - time.monotonic()
-                if wait <= 0:
+                now = time.monotonic()
+                if self._heap[0][0] <= now:
                     return self._live.pop(heapq.heappop(self._heap)[1])
-                self._cond.wait(wait)
+                self._wake_at = self._heap[0][0]
+                self._cond.wait(self._wake_at - now)
 
     def _run(self) -> None:
         while (callback := self._next_callback()) is not None:
@@ -141,6 +151,8 @@ _DEVICES_ATTR = "_ft_devices"
 
 def devices_of(value: Any) -> list[torch.device]:
     """The CUDA devices of the tensors in `value` (a tensor, or lists/tuples/dicts of them), in order."""
+    if isinstance(value, torch.Tensor):  # the usual case, once per collective and per DDP bucket
+        return [value.device] if value.is_cuda else []
     found: set[torch.device] = set()
     _collect_devices(value, found, 0)
     return sorted(found, key=lambda d: d.index if d.index is not None else -1)
@@ -165,8 +177,12 @@ def device_future(devices: Iterable[torch.device] = ()) -> torch.futures.Future:
     """A torch Future for a value on `devices` (CUDA): completing it records an event on the completing
     thread's current stream of each device the value uses, and `wait()` (or a callback) orders the
     waiter's stream after it. With no devices: a plain CPU future."""
+    if not devices:  # CPU values: a plain future, without sorting an empty set
+        fut: torch.futures.Future = torch.futures.Future()
+        setattr(fut, _DEVICES_ATTR, ())
+        return fut
     devs = sorted(set(devices), key=lambda d: d.index if d.index is not None else -1)
-    fut: torch.futures.Future = torch.futures.Future(devices=devs) if devs else torch.futures.Future()
+    fut = torch.futures.Future(devices=devs) if devs else torch.futures.Future()
     setattr(fut, _DEVICES_ATTR, tuple(devs))
     return fut
 

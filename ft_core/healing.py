@@ -8,6 +8,7 @@ blocks ~0.2 s (grpc's connectivity poller), which would stall every group waitin
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -15,12 +16,15 @@ from typing import Any, Callable
 
 import torch
 
+from ft_core import net
 from ft_core import step_rules as rules
 from ft_core.control.manager_client import ManagerClient
 from ft_core.control.recovery import QuorumResult
 from ft_core.errors import CheckpointError, FTError
 
-__all__ = ["FetchedHeal", "HealSources", "load_healed_state", "nbytes"]
+__all__ = ["FetchedHeal", "HealSources", "apply_heal", "load_healed_state", "nbytes"]
+
+logger = logging.getLogger("ft_core.manager")  # heal lines belong with the Manager's step log
 
 MAX_SOURCE_CLIENTS = 4  # heal-source manager clients kept open
 
@@ -106,3 +110,19 @@ def load_healed_state(heal: FetchedHeal, state_fns: dict[str, tuple[Callable[[An
         load(heal.user[key])
     heal.loaded = True
     heal.load_seconds = time.perf_counter() - started
+
+
+def apply_heal(heal: FetchedHeal, state_fns: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]],
+               report_error: Callable[[Exception], None], emit: Callable[..., None], prefix: str) -> None:
+    """Load a fetched heal at commit; a failure is recorded for the step (the group heals again)."""
+    try:
+        load_healed_state(heal, state_fns)
+    except Exception as exc:
+        report_error(exc)
+        return
+    logger.info("%s healed from replica rank %s (%s) to step %d: %d bytes in %.3fs (%.1f MB/s), load %.3fs; "
+                "adopted if this step commits", prefix, heal.source_replica_rank, net.describe_route(heal.source),
+                heal.target.step, heal.nbytes, heal.transfer_seconds, heal.bandwidth_mb_s, heal.load_seconds)
+    emit("heal", source_replica_rank=heal.source_replica_rank, source=heal.source, healed_step=heal.target.step,
+         seconds=heal.transfer_seconds + heal.load_seconds, transfer_seconds=heal.transfer_seconds,
+         load_seconds=heal.load_seconds, nbytes=heal.nbytes, bandwidth_mb_s=heal.bandwidth_mb_s)

@@ -29,12 +29,13 @@ from torch.distributed import ReduceOp
 from ft_core import futures as ft_futures
 from ft_core import metrics
 from ft_core import net
+from ft_core import redo
 from ft_core import step_rules as rules
 from ft_core.checkpointing import HTTPTransport
 from ft_core.control.manager_client import ManagerClient
 from ft_core.control.manager_server import ManagerServer
 from ft_core.buffers import broadcast_by_sum
-from ft_core.healing import FetchedHeal, HealSources, load_healed_state
+from ft_core.healing import FetchedHeal, HealSources, apply_heal
 from ft_core.errors import (
     CommitError,
     ConfigError,
@@ -70,7 +71,7 @@ class Manager:
                  replica_id: str | None = None, port: int | None = None, hostname: str | None = None,
                  heartbeat_interval: timedelta = timedelta(milliseconds=100), checkpoint_transport: Any = None,
                  init_sync: bool = True, max_retries: int | None = None, quorum_retries: int | None = None,
-                 token: str | None = None) -> None:
+                 token: str | None = None, redo_step: bool | None = None, redo_copy: bool | None = None) -> None:
         cfg = resolve_config(replica_id=replica_id, rank=rank, world_size=world_size,
                              min_replica_size=min_replica_size, use_async_quorum=use_async_quorum, timeout=timeout,
                              quorum_timeout=quorum_timeout, connect_timeout=connect_timeout,
@@ -94,6 +95,8 @@ class Manager:
         self._voted = False  # this step's should_commit() has run: no reduction may follow
         self._group_healed = False  # every rank of the group loaded this step's heal (from the vote)
         self._reductions = 0  # cross-group reductions issued this step (fail-closed check)
+        self._redo = redo.ReductionLog(redo.resolve(redo_step, redo_copy))  # to redo a step that lost a peer
+        self._group_redoable = False  # every rank of the group can redo this step (from the vote)
         self._buffer_sources: dict[int, Callable[[], list[torch.Tensor]]] = {}
         self._round: rules.QuorumActions | None = None  # this step's role, from the quorum
         self._quorum_future: concurrent.futures.Future | None = None
@@ -190,8 +193,11 @@ class Manager:
 
     # ----------------------------------------------------------------- errors
 
-    def report_error(self, e: Exception) -> None:
-        """Record an error for this step: the step will not commit. Never raises."""
+    def report_error(self, e: Exception, peer_lost: bool = False) -> None:
+        """Record an error for this step: the step will not commit (unless `peer_lost` and the step is
+        redone without the peer, ft_core.redo). Never raises."""
+        if not peer_lost:
+            self._redo.other_errors = True
         with self._error_lock:
             first = self._errored is None
             if first:
@@ -210,24 +216,11 @@ class Manager:
         return ft_futures.recover(timed, default, self.report_error)
 
     def _on_collective_error(self, e: BaseException) -> None:
-        self.report_error(e if isinstance(e, Exception) else FTError(str(e)))
+        self.report_error(e if isinstance(e, Exception) else FTError(str(e)), peer_lost=not isinstance(e, TimeoutError))
         self._break_pg()
 
     def _on_peer_lost(self, quorum_id: int, replica_id: str) -> None:
-        """The lighthouse dropped `replica_id` from quorum `quorum_id` (dead, hung or cut off): if this step
-        runs in that quorum, fail it and abort its collectives now instead of at their timeout. A quorum
-        still forming is checked when it ends (the lighthouse may have issued it just before the loss)."""
-        fut = self._quorum_future
-        if fut is None or self._closed:
-            return
-        if not fut.done():
-            fut.add_done_callback(lambda _f: self._on_peer_lost(quorum_id, replica_id))
-            return
-        if self._state.quorum_id != quorum_id or self._voted:  # voted: nothing of this step is left in flight
-            return
-        self.report_error(FTError(f"{self._prefix()} replica group {replica_id} of quorum {quorum_id} was lost "
-                                  f"(the lighthouse dropped it); this step's collectives are aborted"))
-        self._break_pg()
+        redo.on_peer_lost(self, quorum_id, replica_id)  # fails this quorum's step at once (ft_core.redo)
 
     def _break_pg(self) -> None:
         """Skip this step's remaining collectives, rebuild the group at the next quorum, and abort it
@@ -265,6 +258,7 @@ class Manager:
         self._heal = None  # a heal not applied by the last step is fetched again
         self._voted = False
         self._reductions = 0
+        self._redo.reset(allow_heal)
         quorum_timeout = ft_futures._seconds(timeout) if timeout is not None else \
             self.config.quorum_timeout.total_seconds()
         self._quorum_timeout_s = quorum_timeout
@@ -308,14 +302,15 @@ class Manager:
         plan = self._round = rules.on_quorum(self._state, result, allow_heal=allow_heal,
                                              use_async_quorum=cfg.use_async_quorum, init_sync=cfg.init_sync,
                                              mode=cfg.world_size_mode, min_replica_size=cfg.min_replica_size)
-        world = plan.num_participants
+        world, self._redo.quorum_ids = plan.num_participants, tuple(result.replica_ids)
         if plan.reconfigure or plan.heal or plan.send_to:
             logger.info("%s quorum %d: replica rank %d/%d, participants %d, max_step %d, heal=%s, sends to %s",
                         self._prefix(), result.quorum_id, result.replica_rank, result.replica_world_size, world,
                         result.max_step, plan.heal, list(plan.send_to))
-        self._emit("quorum", quorum_id=result.quorum_id, replica_rank=result.replica_rank,
-                   replica_world_size=result.replica_world_size, num_participants=world, max_step=result.max_step,
-                   heal=plan.heal, seconds=quorum_s, changed=plan.reconfigure, replica_ids=list(result.replica_ids))
+        self._emit("quorum", not (plan.reconfigure or plan.heal or plan.send_to), quorum_id=result.quorum_id,
+                   replica_rank=result.replica_rank, replica_world_size=result.replica_world_size,
+                   num_participants=world, max_step=result.max_step, heal=plan.heal, seconds=quorum_s,
+                   changed=plan.reconfigure, replica_ids=list(result.replica_ids))
         if plan.reconfigure:
             store = f"{result.store_address}/ft/{result.quorum_id}/{cfg.group_rank}"
             try:
@@ -337,29 +332,13 @@ class Manager:
         if plan.heal:
             self._healing = True
             try:
-                self._fetch_checkpoint(result)
+                self._heal = self._heal_sources.fetch(result, cfg.group_rank, self._transport, cfg.timeout)
             except Exception as exc:
                 self.report_error(exc)
 
-    def _fetch_checkpoint(self, result: QuorumResult) -> None:
-        self._heal = self._heal_sources.fetch(result, self.config.group_rank, self._transport, self.config.timeout)
-
     def _apply_pending_state_dict(self) -> None:
-        heal = self._heal
-        if heal is None or heal.loaded:
-            return
-        try:
-            load_healed_state(heal, self._state_fns)
-        except Exception as exc:
-            self.report_error(exc)
-            return
-        logger.info("%s healed from replica rank %s (%s) to step %d: %d bytes in %.3fs (%.1f MB/s), load %.3fs; "
-                    "adopted if this step commits", self._prefix(), heal.source_replica_rank, net.describe_route(heal.source),
-                    heal.target.step, heal.nbytes, heal.transfer_seconds, heal.bandwidth_mb_s, heal.load_seconds)
-        self._emit("heal", source_replica_rank=heal.source_replica_rank, source=heal.source,
-                   healed_step=heal.target.step, seconds=heal.transfer_seconds + heal.load_seconds,
-                   transfer_seconds=heal.transfer_seconds, load_seconds=heal.load_seconds, nbytes=heal.nbytes,
-                   bandwidth_mb_s=heal.bandwidth_mb_s)
+        if self._heal is not None and not self._heal.loaded:
+            apply_heal(self._heal, self._state_fns, self.report_error, self._emit, self._prefix())
 
     # ----------------------------------------------------------------- collectives
 
@@ -371,7 +350,7 @@ class Manager:
         `should_quantize` (torchft's) is accepted and ignored with a warning: there is no quantized path."""
         if should_quantize:
             logger.warning("should_quantize=True is ignored: the allreduce is sent in full precision")
-        _check_reduce_op(tensor, reduce_op)
+        rules.check_reduce_op(reduce_op, tensor.dtype)
         return ManagedWork(self, self._allreduce_future(tensor, reduce_op), tensor)
 
     def _allreduce_future(self, tensor: torch.Tensor, reduce_op: ReduceOp = ReduceOp.AVG) -> torch.futures.Future:
@@ -381,10 +360,19 @@ class Manager:
                               f"see it fail, so groups could apply different updates. Start the next step first "
                               f"(manager.start_quorum() or OptimizerWrapper.zero_grad()), one vote per optimizer step")
         self._reductions += 1
-        return self._reduce(tensor, reduce_op)
+        return self._reduce(tensor, reduce_op, self._redo.record(tensor, reduce_op, self._pg_broken))
 
-    def _reduce(self, tensor: torch.Tensor, reduce_op: ReduceOp) -> torch.futures.Future:
-        """The collective as an eager torch Future that never fails (value: `tensor`)."""
+    def on_redo(self, tensor: torch.Tensor, write: Callable[[], None],
+                restore: Callable[[], bool] | None = None) -> None:
+        """Run `write()` after a redo reduced `tensor` again (ft_core.redo): for integrations that copy a
+        reduced tensor elsewhere, as ft_core.ddp copies chunks into the gradients. `restore()` puts the
+        input back into `tensor` if the reduction fails (True when it could), so it can be redone."""
+        self._redo.on_redo(tensor, write, restore)
+
+    def _reduce(self, tensor: torch.Tensor, reduce_op: ReduceOp, rec: redo.Reduction | None = None
+                ) -> torch.futures.Future:
+        """The collective as an eager torch Future that never fails (value: `tensor`); `rec` learns
+        whether the input was sent (or overwritten), which decides whether it can be redone."""
         try:
             self.wait_quorum()
             if self._pg_broken:
@@ -394,6 +382,8 @@ class Manager:
             if role is rules.Contribution.BREAK:
                 self._break_pg()  # the divisor counts this group: its peers must fail this step too
                 return ft_futures.completed_future(tensor)
+            if rec is not None:
+                rec.intact = False
             if role is rules.Contribution.IDENTITY:
                 tensor.fill_(rules.fill_value(reduce_op, tensor.dtype))
             opts = dist.AllreduceOptions()
@@ -404,7 +394,9 @@ class Manager:
             else:
                 fut = ft_futures.chain(work.get_future(), lambda _v: tensor)
             timed = ft_futures.future_timeout(fut, self.config.timeout, what=f"{self._prefix()} allreduce")
-            return ft_futures.recover(timed, tensor, self._on_collective_error)
+            failed = self._on_collective_error if rec is None or role is not rules.Contribution.OWN else \
+                (lambda e, rec=rec: (redo.restore_input(rec, e), self._on_collective_error(e)))
+            return ft_futures.recover(timed, tensor, failed)
         except Exception as exc:
             self._on_collective_error(exc)
             return ft_futures.completed_future(tensor)
@@ -425,26 +417,18 @@ class Manager:
     # ----------------------------------------------------------------- commit
 
     def should_commit(self, timeout: timedelta | float | None = None) -> bool:
-        """Load a pending healed state, then vote group-wide; True => run the optimizer step."""
+        """Load a pending healed state, then vote group-wide; True => run the optimizer step. A step that
+        lost a peer is redone without it first when every rank of the group can (ft_core.redo)."""
         self.wait_quorum()
-        pg_error = self._pg_error()
-        if pg_error is not None:
-            self._on_collective_error(pg_error)
-        self._apply_pending_state_dict()
-        plan = self._round
-        n = plan.num_participants if plan is not None else 0
-        if self._buffer_sources and not self._pg_broken:
-            self._sync_buffers()
-        heal_loaded = not (plan is not None and plan.heal) or (self._heal is not None and self._heal.loaded)
-        local = rules.local_vote(plan.vote_world_size if plan is not None else 0, self.config.min_replica_size,
-                                 self._errored is not None, heal_loaded)
-        unreduced = rules.unreduced_step(plan.vote_world_size if plan else 0, self._reductions) if local else None
-        if unreduced is not None:
-            self.report_error(unreduced)
-            local = False
-        decision = self._vote(local, timeout if timeout is not None else self.config.timeout)
+        wait = timeout if timeout is not None else self.config.timeout
+        local, unreduced, heal_loaded = self._prepare_vote()
+        decision = self._vote(local, wait)
+        if not decision and self._group_redoable and redo.redo_step(self):
+            local, unreduced, heal_loaded = self._prepare_vote()
+            decision = self._vote(local, wait)
         self._voted = True
         self._transport.disallow_checkpoint()
+        n = self._round.num_participants if self._round is not None else 0
         errored = self._errored is not None  # the vote itself may have failed
         self._state, actions = rules.on_vote(self._state, decision, local=local, errored=errored, num_participants=n,
                                              max_retries=self.config.max_retries,
@@ -455,7 +439,7 @@ class Manager:
                 self._break_pg()
             logger.warning("%s step not committed (participants %d, min %d, error %s); consecutive failures %d",
                            self._prefix(), n, self.config.min_replica_size, self._errored, self._state.commit_failures)
-        self._emit("commit", committed=decision, num_participants=n)
+        self._emit("commit", decision, committed=decision, num_participants=n)
         if unreduced is not None:
             raise unreduced
         if actions.give_up:
@@ -463,30 +447,38 @@ class Manager:
                               f"(max_retries={self.config.max_retries}); last error: {self._errored}")
         return decision
 
+    def _prepare_vote(self) -> tuple[bool, ConfigError | None, bool]:
+        """(this rank's vote, the fail-closed error if any, heal loaded) after loading a pending heal and
+        making the buffers identical."""
+        pg_error = redo.pg_error(self._pg)
+        if pg_error is not None:
+            self._on_collective_error(pg_error)
+        self._apply_pending_state_dict()
+        plan = self._round
+        if self._buffer_sources and not self._pg_broken:
+            self._sync_buffers()
+        heal_loaded = not (plan is not None and plan.heal) or (self._heal is not None and self._heal.loaded)
+        local = rules.local_vote(plan.vote_world_size if plan is not None else 0, self.config.min_replica_size,
+                                 self._errored is not None, heal_loaded)
+        unreduced = rules.unreduced_step(plan.vote_world_size if plan else 0, self._reductions) if local else None
+        if unreduced is not None:
+            self.report_error(unreduced)
+        return local and unreduced is None, unreduced, heal_loaded
+
     def _vote(self, local: bool, timeout: timedelta | float) -> bool:
-        """The group's commit barrier; also learns whether every rank loaded this step's heal."""
+        """The group's commit barrier; also learns whether every rank loaded this step's heal and
+        whether every rank can redo this step."""
         cfg, healed = self.config, self._heal is not None and self._heal.loaded
-        self._group_healed = False
+        redoable = self._redo.redoable(self._errored is not None, self.is_participating())
+        self._group_healed = self._group_redoable = False
         try:
-            if self._server is not None:
-                decision, self._group_healed = self._server.commit_round_local(cfg.group_rank, self._state.step,
-                                                                               local, healed, timeout)
-            else:
-                decision, self._group_healed = self._client.commit_round(cfg.group_rank, self._state.step, local,
-                                                                         healed, timeout)
+            rnd = self._server.vote_round_local if self._server is not None else self._client.vote_round
+            decision, self._group_healed, self._group_redoable = rnd(cfg.group_rank, self._state.step, local,
+                                                                     healed, timeout, redoable)
             return decision
         except FTError as exc:
             self.report_error(exc)
             return False
-
-    def _pg_error(self) -> Exception | None:
-        errored = getattr(self._pg, "errored", None)
-        if errored is None:
-            return None
-        try:
-            return errored()
-        except Exception as exc:
-            return exc
 
     # ----------------------------------------------------------------- accessors
 
@@ -539,12 +531,27 @@ class Manager:
         name, rank = (cfg.replica_id, cfg.group_rank) if cfg is not None else ("?", 0)
         return f"[{name}/{rank} - step {self._state.step}]"
 
-    def _emit(self, kind: str, **fields: Any) -> None:
-        if not events.isEnabledFor(logging.INFO):
+    def _emit(self, kind: str, routine: bool = False, **fields: Any) -> None:
+        """One structured event on "ft_core.events" at INFO; a `routine` one (a quorum that changed nothing,
+        a committed step) at DEBUG, so it costs nothing unless someone listens at DEBUG or counts it
+        (ft_core.metrics.EventMetrics, handed it directly)."""
+        counters = metrics.counting_handlers(events) if routine else ()
+        level = logging.DEBUG if routine else logging.INFO
+        logged = events.isEnabledFor(level)
+        if not logged and not counters:
             return
         event = {"type": kind, "replica_id": self.config.replica_id, "group_rank": self.config.group_rank,
                  "step": self._state.step, "time": time.time(), **fields}
-        events.info("%s %s %s", self._prefix(), kind, fields, extra={"ft_event": event})
+        for counter in counters:  # at INFO they never see this DEBUG record
+            counter.count(event)
+        if logged:
+            events.log(level, "%s %s %s", self._prefix(), kind, fields, extra={"ft_event": event})
+
+    def finish(self) -> None:
+        """Training ended normally (call before shutdown): the lighthouse records this group's final step and
+        refuses a group that joins later behind it with JobFinishedError (docs/guarantees.md)."""
+        if self._server is not None and not self._closed:
+            self._server.notify_finished(self._state.step)
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop everything this Manager started: manager server (or client), heal-source clients,
@@ -583,10 +590,3 @@ class Manager:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def _check_reduce_op(tensor: torch.Tensor, reduce_op: ReduceOp) -> None:
-    if reduce_op == ReduceOp.AVG and not (tensor.is_floating_point() or tensor.is_complex()):
-        raise ConfigError(f"allreduce with ReduceOp.AVG needs a floating point tensor, got {tensor.dtype}; "
-                          f"use ReduceOp.SUM for integers and divide yourself")
-    rules.fill_value(reduce_op, tensor.dtype)  # raises ConfigError for an op without an identity

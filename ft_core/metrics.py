@@ -2,10 +2,13 @@
 
 The Manager logs each quorum, heal, commit and error on the logger "ft_core.events" with the
 fields in `record.ft_event`; `EventMetrics` is a logging handler that turns them into metrics in
-its own registry, labelled by replica id (several Managers may share a process). `serve()` exposes
-them on `/metrics` of a small HTTP server; `start_from_settings()` does both when FT_METRICS_PORT is
-set (the port of this replica group's rank 0; 0 lets the OS choose; `ftl launch` gives group g
-PORT+g). Only a group's rank 0 should call it: the other ranks' events are not counted.
+its own registry, labelled by replica id (several Managers may share a process). Routine per-step
+events (a quorum that changed nothing, a committed step) are logged at DEBUG only, so they cost no
+log record at INFO; the Manager hands them straight to every `EventMetrics` attached to that logger
+(`counting_handlers`), so the commit counter, step and quorum latency still see every step.
+`serve()` exposes them on `/metrics` of a small HTTP server; `start_from_settings()` does both when
+FT_METRICS_PORT is set (the port of this replica group's rank 0; 0 lets the OS choose; `ftl launch`
+gives group g PORT+g). Only a group's rank 0 should call it: the other ranks' events are not counted.
 """
 
 from __future__ import annotations
@@ -62,12 +65,20 @@ class EventMetrics(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         event = getattr(record, "ft_event", None)
-        if not isinstance(event, Mapping) or event.get("group_rank", 0) != 0:
-            return  # the group's numbers, once: from its rank 0
+        if isinstance(event, Mapping) and not self.count(event):
+            self.handleError(record)
+
+    def count(self, event: Mapping[str, Any]) -> bool:
+        """Observe one event of a group's rank 0 (others are ignored: the group's numbers, once);
+        False when it was malformed (a malformed event must never break the step that made it)."""
+        if event.get("group_rank", 0) != 0:
+            return True
         try:
             self.observe(event)
-        except Exception:  # a malformed event must never break the step that logged it
-            self.handleError(record)
+        except Exception:  # noqa: BLE001 - reported by the caller (handleError) or dropped
+            logger.debug("malformed event not counted: %r", event)
+            return False
+        return True
 
     def observe(self, event: Mapping[str, Any]) -> None:
         rid = str(event.get("replica_id", ""))
@@ -94,6 +105,13 @@ class EventMetrics(logging.Handler):
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def counting_handlers(events: logging.Logger) -> list[EventMetrics]:
+    """The EventMetrics attached to `events`: they count routine events, which get no log record at INFO
+    (Manager._emit hands those to them directly). Per step this is one look at an often empty list."""
+    handlers = events.handlers
+    return [h for h in handlers if isinstance(h, EventMetrics)] if handlers else []
 
 
 class _Handler(BaseHTTPRequestHandler):

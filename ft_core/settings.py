@@ -131,6 +131,12 @@ SETTINGS: tuple[Setting, ...] = (
             "dynamic: average over every live group; fixed_with_spares: exactly min_replica_size contribute"),
     Setting("use_async_quorum", "FT_ASYNC_QUORUM", parse_bool, True, "boolean",
             "form the quorum in the background, overlapping the forward pass"),
+    Setting("redo_step", "FT_REDO_STEP", parse_bool, True, "boolean",
+            "when a peer is lost during a step, the survivors form the quorum again and redo its reductions "
+            "without it instead of failing the step (docs/guarantees.md)"),
+    Setting("redo_copy", "FT_REDO_COPY", parse_bool, False, "boolean",
+            "keep a copy of every cross-group reduction's input so a step that lost a peer mid-reduction can "
+            "be redone too (one memcpy and one copy of the gradients per step)"),
     Setting("cross_group_backend", "FT_BACKEND", parse_choice(BACKENDS), "auto", "|".join(BACKENDS),
             "cross-group process group: gloo (CPU), nccl (CUDA), auto (nccl on CUDA, else gloo)"),
     Setting("stream_quorum", "FT_STREAM_QUORUM", parse_bool, True, "boolean",
@@ -143,16 +149,23 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("tls_ca", "FT_TLS_CA", parse_str, None, "path", "PEM CA bundle that clients verify servers against"),
     Setting("baby_start_method", "FT_BABY_START_METHOD", parse_choice(START_METHODS), "forkserver",
             "|".join(START_METHODS), "how subprocess (Baby) process groups start their child process"),
-    Setting("baby_start_timeout", "FT_BABY_START_TIMEOUT_SEC", parse_seconds, _60S, SECONDS,
-            "deadline for a subprocess process group's child to start"),
+    Setting("baby_start_timeout", "FT_BABY_START_TIMEOUT_SEC", parse_seconds, None, SECONDS,
+            "a separate deadline for a subprocess process group's child to start and meet its peers (unset: "
+            "`timeout` bounds the whole configure, as in torchft)"),
     Setting("metrics_port", "FT_METRICS_PORT", parse_int, None, "integer",
             "serve this replica group's Prometheus metrics on http://127.0.0.1:PORT/metrics (0: a free port; "
             "unset: off); `ftl launch` gives group g PORT+g"),
     Setting("exactly_once", "FT_EXACTLY_ONCE", parse_bool, False, "boolean",
-            "Lightning: train every sample once per epoch across groups that die and heal (ft_core.data "
-            "exactly-once sampler, docs/data.md) instead of a static shard per group"),
+            "Lightning and Accelerate: train every sample once per epoch across groups that die and heal "
+            "(ft_core.data exactly-once sampler, docs/data.md) instead of a static shard per group"),
+    Setting("rank_zero", "FT_RANK_ZERO", parse_choice(("group", "quorum")), "group", "group|quorum",
+            "Lightning Trainer: who is rank zero (writes checkpoints and log lines): group rank 0 of every group, "
+            "or of the live participating group with the lowest replica rank only (as under DDP)"),
     Setting("global_batch_size", "FT_GLOBAL_BATCH_SIZE", parse_int, None, "integer",
             "samples per committed step whatever the number of participants (implies FT_EXACTLY_ONCE)"),
+    Setting("checkpoint_dir", "FT_CHECKPOINT_DIR", parse_str, None, "path",
+            "Accelerate: the job's `accelerator.save_state` folders (up to two levels below); a group that finds "
+            "the job finished resumes from the newest one at the final step instead of retraining alone"),
     Setting("lighthouse_http", "FT_LIGHTHOUSE_HTTP", parse_str, None, "address",
             "status page http://host:port that `ftl status` reads (default: next to FT_LIGHTHOUSE)"),
     Setting("replica_group_id", "REPLICA_GROUP_ID", parse_int, 0, "integer",

@@ -10,6 +10,7 @@ returned actions (configure the process group, send or fetch a checkpoint, break
     contribution(...) / fill_value    -> Contribution    what this group puts into a reduction
     local_vote(...)                   -> bool            this rank's commit vote
     on_vote(state, decision, ...)     -> (StepState, CommitActions)
+    can_redo(...) / redo_role(...)    -> bool / RedoRole  redo a step that lost a peer (ft_core.redo)
 
 A healed step is adopted only when the group commits the step it healed in: every rank loaded the
 state (a rank whose fetch or load failed votes no, and the group's vote is the AND of its ranks),
@@ -31,9 +32,10 @@ from ft_core.errors import CheckpointError, ConfigError
 from ft_core.manager_config import WorldSizeMode
 
 __all__ = [
-    "CommitActions", "Contribution", "HealTarget", "QuorumActions", "StepState", "WorldSizeMode", "contribution",
-    "fill_value", "heal_target", "is_participating", "local_vote", "on_configure_failed", "on_configured",
-    "on_pg_broken", "on_quorum", "on_vote", "participation", "restore", "unreduced_step", "vote_world_size",
+    "CommitActions", "Contribution", "HealTarget", "QuorumActions", "RedoRole", "StepState", "WorldSizeMode",
+    "can_redo", "check_reduce_op", "contribution", "fill_value", "heal_target", "is_participating", "local_vote",
+    "on_configure_failed", "on_configured", "on_pg_broken", "on_quorum", "on_vote", "participation", "redo_role",
+    "restore", "unreduced_step", "vote_world_size",
 ]
 
 
@@ -260,3 +262,41 @@ def unreduced_step(groups: int, reductions: int) -> ConfigError | None:
                        f"gradients were never averaged across groups, so the groups would train apart. Likely cause: "
                        f"the model is not wrapped by ft_core.DistributedDataParallel (or its comm hook was replaced), "
                        f"or the loop does not call manager.allreduce on the gradients")
+
+
+def check_reduce_op(op: ReduceOp, dtype: torch.dtype) -> None:
+    """Refuse what no group could take part in: AVG of integers, an op without an identity."""
+    if op == ReduceOp.AVG and not (dtype.is_floating_point or dtype.is_complex):
+        raise ConfigError(f"allreduce with ReduceOp.AVG needs a floating point tensor, got {dtype}; "
+                          f"use ReduceOp.SUM for integers and divide yourself")
+    fill_value(op, dtype)  # raises ConfigError for an op without an identity
+
+
+# ---- redoing a step that lost a peer (ft_core.redo performs it) --------------------------------------
+
+class RedoRole(enum.Enum):
+    """What a group does in the quorum it formed again, for the same step, after losing a peer."""
+
+    REPLAY = "replay"  # every member is a survivor redoing this step: re-issue the recorded reductions
+    ABANDON = "abandon"  # someone else is in another step (or heals): fail the step as without redo
+
+
+def can_redo(*, enabled: bool, redone: bool, errored: bool, peer_errors_only: bool, recoverable: bool,
+             participating: bool) -> bool:
+    """This rank's `redoable` bit in the commit barrier: its step failed only because a peer was lost
+    or a collective failed, it took part with its own gradients, every reduction it issued can be
+    issued again with the same input (never sent, or a copy kept), and the step was not redone yet."""
+    return enabled and not redone and errored and peer_errors_only and recoverable and participating
+
+
+def redo_role(state: StepState, result: QuorumResult, old_replica_ids: tuple[str, ...]) -> RedoRole:
+    """Replay only when the new quorum is exactly survivors of the old one, all at this step on one fork,
+    none healing, and none has counted a failure this group has not (a group that counted one gave up
+    on the step and runs a fresh one: its collectives would pair with our replay). Anything else is
+    abandoned: the step fails as it would without redo, and the next quorum heals as usual."""
+    survivors = set(result.replica_ids) <= set(old_replica_ids)
+    same_step = result.max_step == state.step and result.max_world_size == result.replica_world_size
+    if survivors and same_step and not result.heal and result.max_replica_rank is not None \
+            and result.commit_failures <= state.commit_failures:
+        return RedoRole.REPLAY
+    return RedoRole.ABANDON

@@ -103,15 +103,21 @@ def cross_group_backend(settings: FTSettings, device: torch.device) -> str:
     return ft_settings.cross_group_backend(device.type, settings.backend, environ={})
 
 
+def cross_group_pg(settings: FTSettings, device: torch.device) -> Any:
+    """The reconfigurable cross-group process group of the chosen backend (the Manager configures it)."""
+    if cross_group_backend(settings, device) == "nccl":
+        return ProcessGroupNCCL(timeout=settings.timeout, device=device)
+    return ProcessGroupGloo(timeout=settings.timeout)
+
+
 def create_manager(settings: FTSettings, *, group_rank: int, group_world_size: int, device: torch.device,
                    store_addr: str | None = None, store_port: int | None = None,
-                   extra: dict[str, Any] | None = None) -> Any:
-    """A Manager for this rank of the replica group, with a cross-group process group of the chosen backend."""
+                   extra: dict[str, Any] | None = None, pg: Any = None) -> Any:
+    """A Manager for this rank of the replica group, with a cross-group process group of the chosen backend
+    (`pg`: one from `cross_group_pg`, kept by a caller that reduces on it between steps)."""
     backend = cross_group_backend(settings, device)
-    if backend == "nccl":
-        pg: Any = ProcessGroupNCCL(timeout=settings.timeout, device=device)
-    else:
-        pg = ProcessGroupGloo(timeout=settings.timeout)
+    if pg is None:
+        pg = cross_group_pg(settings, device)
     mode = WorldSizeMode.FIXED_WITH_SPARES if settings.world_size_mode == "fixed_with_spares" else WorldSizeMode.DYNAMIC
     replica_id = settings.replica_id or f"{settings.group_dir_name()}"
     kwargs: dict[str, Any] = {

@@ -6,8 +6,9 @@ Trainer writes to gets a `replica_group_<id>` component:
 - `default_root_dir` -> `<default_root_dir>/replica_group_<id>`
 - built-in file loggers (TensorBoard, CSV): save dir -> `<save_dir>/replica_group_<id>`
   (a logger whose experiment already exists is left alone, with a warning)
-- `ModelCheckpoint(dirpath=...)` -> `<dirpath>/replica_group_<id>`; without a dirpath it follows
-  the logger or `default_root_dir`, already per group.
+- `ModelCheckpoint(dirpath=...)` -> `<dirpath>/replica_group_<id>` (with `rank_zero="quorum"` the
+  dirpath stays shared: one process writes each file); without a dirpath it follows the logger or
+  `default_root_dir`, already per group.
 Other loggers (W&B, MLflow, ...) should put the group id in their run name.
 
 A restarted group (FT_RESTART_COUNT > 0, set by `ftl launch`) continues the run: a file logger
@@ -35,8 +36,10 @@ def is_model_checkpoint(callback: Any) -> bool:
     return any(c.__name__ == "ModelCheckpoint" for c in type(callback).__mro__)
 
 
-def apply_group_dirs(trainer: Any, name: str) -> None:
-    """Rewrite the trainer's output directories to per-group ones (idempotent per trainer)."""
+def apply_group_dirs(trainer: Any, name: str, shared_checkpoints: bool = False) -> None:
+    """Rewrite the trainer's output directories to per-group ones (idempotent per trainer).
+    `shared_checkpoints` (rank_zero="quorum": one writer per event): an explicit ModelCheckpoint
+    dirpath stays shared by the groups."""
     if getattr(trainer, _MARK, None) == name:
         return
     trainer._default_root_dir = os.path.join(os.fspath(trainer._default_root_dir), name)
@@ -51,7 +54,7 @@ def apply_group_dirs(trainer: Any, name: str) -> None:
                 setattr(lg, attr, os.path.join(os.fspath(value), name))
         _continue_version(lg)
     for callback in trainer.callbacks:
-        if is_model_checkpoint(callback) and getattr(callback, "dirpath", None):
+        if is_model_checkpoint(callback) and getattr(callback, "dirpath", None) and not shared_checkpoints:
             callback.dirpath = os.path.join(os.fspath(callback.dirpath), name)
     setattr(trainer, _MARK, name)
     logger.info("ft_lightning: this replica group writes under %s", trainer.default_root_dir)
@@ -85,7 +88,8 @@ def resolve_special_ckpt_paths_per_group(namespace: str, strategy_cls: type) -> 
     def _parse_ckpt_path(self: Any, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
         strategy = self.trainer.strategy
         if ckpt_path in ("last", "best") and isinstance(strategy, strategy_cls) and strategy._per_group_dirs:
-            apply_group_dirs(self.trainer, strategy._ft_settings.group_dir_name())
+            apply_group_dirs(self.trainer, strategy._ft_settings.group_dir_name(),
+                             shared_checkpoints=strategy._quorum_rank_zero)
         return original(self, state_fn, ckpt_path, model_provided, model_connected)
 
     connector._parse_ckpt_path = _parse_ckpt_path

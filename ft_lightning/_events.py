@@ -1,7 +1,8 @@
 """The Manager's structured events as one readable line each, for the user's console.
 
 The Manager logs every quorum, heal, commit and error on the logger "ft_core.events" with the
-fields in `record.ft_event` (see `Manager._emit`). `describe` turns one event into a line (or None
+fields in `record.ft_event` (see `Manager._emit`); the routine ones (a quorum that changed nothing, a
+committed step) at DEBUG, so the console, which listens at INFO, costs no record per step. `describe` turns one event into a line (or None
 when it is routine: a quorum with the same members, a committed step); `EventLines` remembers the
 last quorum so a heal names its source group and a membership change names who left or joined;
 `ConsoleEvents` is the logging handler the integrations attach (`attach_console()`), writing to
@@ -83,6 +84,8 @@ def describe(event: Mapping[str, Any], previous_members: list[str] | None) -> st
         return f"step {step} failed, it will not commit: {short_cause(str(event.get('message')))}"
     if kind == "commit" and not event.get("committed"):
         return f"step {step} not committed ({event.get('num_participants')} participating)"
+    if kind == "quorum_wait":  # from the manager server, while the lighthouse issues no quorum
+        return f"waiting {float(event.get('seconds') or 0.0):.0f} s for a quorum: {event.get('reason')}"
     return None
 
 
@@ -142,7 +145,7 @@ def attach_console(stream: IO[str] | None = None) -> ConsoleEvents:
             return handler
     handler = ConsoleEvents(stream)
     events.addHandler(handler)
-    if events.getEffectiveLevel() > logging.INFO:
+    if events.getEffectiveLevel() > logging.INFO:  # INFO, never DEBUG: routine per-step events stay unbuilt
         # The user did not ask for these records; raise them for us only, not for their own handlers.
         events.setLevel(logging.INFO)
         events.propagate = False

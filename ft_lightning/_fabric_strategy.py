@@ -8,7 +8,11 @@ Fabric has no loop, so the step is marked by the user's calls:
   by every optimizer); `strategy.last_step_committed` tells the loop (e.g. to skip a scheduler);
 - healing: the modules and optimizers set up by Fabric, the precision (GradScaler), RNG states, and
   anything passed to `strategy.register_state(name, obj)` (objects with `state_dict`/
-  `load_state_dict`: LR schedulers, a data position...) are loaded from a live group.
+  `load_state_dict`: LR schedulers, a data position...) are loaded from a live group;
+- durable checkpoints: `fabric.save` adds the fault-tolerance state (`ft_manager`: the Manager's step
+  and batches committed; `ft_data`: the position of the `ft_core.data.DistributedSampler` of a loader
+  given to `fabric.setup_dataloaders`), and `fabric.load(path, state)` restores it, so a job whose
+  groups all died resumes at the saved step and data position.
 
 Drive the loop by committed steps so a healed group continues where the others are:
 `while strategy.manager.current_step() < total_steps: batch = data[strategy.manager.current_step()]`.
@@ -20,6 +24,7 @@ import atexit
 import logging
 from typing import Any
 
+from ft_core.data import DistributedSampler as FTSampler
 from ft_core.ddp import register_comm_hook
 from ft_lightning._common import (
     capture_rng,
@@ -54,6 +59,8 @@ class FaultTolerantFabricMixin(FTStrategyBase):
         self._commit: bool | None = None
         self._rng_at_quorum: dict[str, Any] | None = None
         self.last_step_committed: bool | None = None
+        self._ft_sampler: Any = None  # the ft_core.data sampler of a loader set up by Fabric (saved in checkpoints)
+        self._ft_data_resume: dict[str, Any] | None = None  # a loaded position waiting for that loader
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -93,6 +100,60 @@ class FaultTolerantFabricMixin(FTStrategyBase):
     def setup_optimizer(self, optimizer: Any) -> Any:
         self._ft_optimizers.append(optimizer)
         return super().setup_optimizer(optimizer)  # type: ignore[misc]
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Remember the `ft_core.data.DistributedSampler` of a loader (pass `use_distributed_sampler=False`
+        with it), so `fabric.save` / `fabric.load` carry its position."""
+        dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
+        for candidate in (getattr(dataloader, "batch_sampler", None), getattr(dataloader, "sampler", None)):
+            if isinstance(candidate, FTSampler):
+                if self._ft_sampler is not None and self._ft_sampler is not candidate:
+                    logger.warning("ft_lightning: a second ft_core.data.DistributedSampler was set up; checkpoints "
+                                   "carry the position of the last one only")
+                self._ft_sampler = candidate
+                if self._ft_data_resume is not None:
+                    candidate.load_state_dict(self._ft_data_resume)
+                    self._ft_data_resume = None
+                break
+        return dataloader
+
+    @property
+    def data_sampler(self) -> Any:
+        """The `ft_core.data.DistributedSampler` whose position checkpoints carry (None: none set up)."""
+        return self._ft_sampler
+
+    # ---- durable checkpoints -------------------------------------------------------------------
+
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any = None,
+                        filter: Any = None) -> None:
+        """`fabric.save`: the user's state plus `ft_manager` (step, batches committed) and `ft_data`
+        (the sampler's committed position). Save after a committed step, outside a step."""
+        state = dict(state)
+        if self._manager is not None:
+            state["ft_manager"] = dict(self._manager.state_dict())
+        if self._ft_sampler is not None:
+            state["ft_data"] = self._ft_sampler.state_dict()
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)  # type: ignore[misc]
+
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """`fabric.load(path, state)`: restores `state` as Fabric does, and the Manager's step and the
+        sampler's position from the file (before the first step; a sampler set up later gets it then).
+        `fabric.load(path)` with no state only reads: everything comes back, nothing is applied."""
+        remainder = super().load_checkpoint(path, state=state, strict=strict,  # type: ignore[misc]
+                                            weights_only=weights_only)
+        if not state or not isinstance(remainder, dict):
+            return remainder
+        saved, data = remainder.pop("ft_manager", None), remainder.pop("ft_data", None)
+        if saved is not None and self._manager is not None:
+            self._manager.load_state_dict(saved)
+            logger.info("ft_lightning: resumed the Manager at step %d from %s", self._manager.current_step(), path)
+        if data is not None:
+            if self._ft_sampler is not None:
+                self._ft_sampler.load_state_dict(data)
+            else:
+                self._ft_data_resume = data
+        return remainder
 
     # ---- the step ---------------------------------------------------------------------------
 

@@ -20,16 +20,35 @@ def _epoch_loop(trainer: Any) -> Any:
     return trainer.fit_loop.epoch_loop
 
 
+def _state(progress: Any) -> Any:
+    """`progress.state_dict()` (Lightning's: `dataclasses.asdict`), read field by field: the same dict at
+    about a third of the cost, which counts as it is taken at every step start. A progress class with
+    its own state_dict keeps it."""
+    cls = type(progress)
+    fields = getattr(cls, "__dataclass_fields__", None)
+    if fields is None:
+        return progress
+    generic = _GENERIC.get(cls)
+    if generic is None:  # lightning.pytorch's or pytorch_lightning's _BaseProgress.state_dict, not overridden
+        generic = _GENERIC[cls] = getattr(cls.state_dict, "__qualname__", "") == "_BaseProgress.state_dict"
+    if not generic:
+        return progress.state_dict()
+    return {name: _state(getattr(progress, name)) for name in fields}
+
+
+_GENERIC: dict[type, bool] = {}
+
+
 def snapshot(trainer: Any) -> dict[str, Any]:
     """The fit loop's counters now, as plain ints and bools (cheap; taken at every step start)."""
     fit = trainer.fit_loop
     loop = fit.epoch_loop
     return {
-        "epoch": fit.epoch_progress.state_dict(),
-        "batch": loop.batch_progress.state_dict(),
-        "optim": loop.automatic_optimization.optim_progress.state_dict(),
-        "manual_step": loop.manual_optimization.optim_step_progress.state_dict(),
-        "scheduler": loop.scheduler_progress.state_dict(),
+        "epoch": _state(fit.epoch_progress),
+        "batch": _state(loop.batch_progress),
+        "optim": _state(loop.automatic_optimization.optim_progress),
+        "manual_step": _state(loop.manual_optimization.optim_step_progress),
+        "scheduler": _state(loop.scheduler_progress),
         "batches_that_stepped": int(loop._batches_that_stepped),
     }
 

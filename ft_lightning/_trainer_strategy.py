@@ -12,7 +12,10 @@ that crosses groups goes through the Manager:
   only on commit. A skipped step leaves `global_step`, step-interval LR schedulers, the scheduler
   progress, the optimizer and the GradScaler as they were;
 - healing: model, optimizers, LR schedulers, precision (GradScaler), loop progress, RNG and
-  callback state are sent to a group that is behind, which continues at the same epoch and batch.
+  callback state are sent to a group that is behind, which continues at the same epoch and batch;
+- callbacks and metrics: `reduce` (`self.log(sync_dist=True)`) and `reduce_boolean_decision`
+  (ModelCheckpoint, EarlyStopping) run over the live groups, and with `rank_zero="quorum"` one
+  process of the live quorum is rank zero (ft_lightning/_callbacks.py).
 """
 
 from __future__ import annotations
@@ -22,14 +25,17 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from ft_core import settings as ft_settings
 from ft_core.data import DistributedSampler as ExactlyOnceSampler
 from ft_core.ddp import register_comm_hook
 from ft_core.errors import ConfigError
-from ft_lightning import _data, _dirs, _progress
+from ft_lightning import _callbacks, _data, _dirs, _progress
 from ft_lightning._common import (
     capture_rng,
     create_manager,
+    cross_group_pg,
     forget_unscale,
     from_transport,
     restore_rng,
@@ -50,15 +56,23 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
             Default False: a static shard per group, lossy while a group is down.
         global_batch_size: FT_GLOBAL_BATCH_SIZE, samples per committed step whatever the number of
             participants (implies exactly_once).
+        rank_zero: FT_RANK_ZERO, who is `trainer.is_global_zero` (and Lightning's rank_zero_only):
+            "group" (default): group rank 0 of every group, each writing its own checkpoints and logs;
+            "quorum": group rank 0 of the live participating group with the lowest replica rank, so one
+            process writes each checkpoint file and log line, as under DDP; an explicit
+            ModelCheckpoint dirpath is then shared by the groups (docs/lightning.md).
     """
 
     MANAGER_MISSING = ("the fault-tolerant Manager exists once trainer.fit() has set up the strategy "
                        "(it is created in setup_environment, in every process)")
 
     def __init__(self, lighthouse_addr: str | None = None, *, per_group_dirs: bool = True,
-                 exactly_once: bool | None = None, global_batch_size: int | None = None, **kwargs: Any) -> None:
+                 exactly_once: bool | None = None, global_batch_size: int | None = None,
+                 rank_zero: str | None = None, **kwargs: Any) -> None:
         super().__init__(lighthouse_addr, **kwargs)
         self._per_group_dirs = per_group_dirs
+        self._quorum_rank_zero = ft_settings.value("FT_RANK_ZERO", rank_zero) == "quorum"
+        self._live: _callbacks.LiveQuorum | None = None
         self._global_batch_size = ft_settings.value("FT_GLOBAL_BATCH_SIZE", global_batch_size)
         self._exactly_once = bool(ft_settings.value("FT_EXACTLY_ONCE", exactly_once)) or \
             self._global_batch_size is not None
@@ -75,6 +89,8 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
         self._window_continues_batch = False  # this step is a batch's second (or later) optimizer step
         self._last_step_applied = True
         self._warned_callbacks: set[str] = set()
+        self._validating = False  # from a fit's validation start to the next training batch
+        self._in_training_step = False
 
     # ---- set-up -----------------------------------------------------------------------------
 
@@ -93,7 +109,8 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
         super().setup_environment()  # type: ignore[misc]   # Lightning's group-only default process group
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
         if self._per_group_dirs:
-            _dirs.apply_group_dirs(trainer, self._ft_settings.group_dir_name())
+            _dirs.apply_group_dirs(trainer, self._ft_settings.group_dir_name(),
+                                   shared_checkpoints=self._quorum_rank_zero)
         if trainer.state.fn == "fit":
             self._start_manager()
 
@@ -101,11 +118,19 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
         previous = self._manager.state_dict() if self._manager is not None else None
         several = self.world_size > 1  # type: ignore[attr-defined]
         env = self.cluster_environment  # type: ignore[attr-defined]
+        pg = cross_group_pg(self._ft_settings, self.root_device)  # type: ignore[attr-defined]
         self._manager = create_manager(
             self._ft_settings, group_rank=self.global_rank, group_world_size=self.world_size,  # type: ignore[attr-defined]
             device=self.root_device, store_addr=env.main_address if several else None,  # type: ignore[attr-defined]
-            store_port=env.main_port if several else None, extra=self._manager_kwargs)
+            store_port=env.main_port if several else None, extra=self._manager_kwargs, pg=pg)
         self._manager_live = True
+        self._live = _callbacks.LiveQuorum(
+            self._manager, pg, group_rank=self.global_rank,  # type: ignore[attr-defined]
+            replica_group_id=self._ft_settings.replica_group_id,
+            timeout_s=self._ft_settings.timeout.total_seconds(), in_step=self._in_step,
+            at_sync_point=self._at_sync_point)
+        if self._quorum_rank_zero:
+            _callbacks.set_rank_zero(self._live.leader, self.global_rank)  # type: ignore[attr-defined]
         if previous is not None:  # a second fit() on the same trainer continues the step count
             self._manager.load_state_dict(previous)
 
@@ -160,7 +185,11 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
         return self._ft_sampler
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().training_step(*args, **kwargs)  # type: ignore[misc]
+        self._in_training_step = True  # its self.log(sync_dist=True) reduces across groups, in the step
+        try:
+            output = super().training_step(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._in_training_step = False
         if self._ft_sampler is None or self._manager is None:
             return output
         # After the forward (the quorum overlapped it), before backward: a batch that is not this step's
@@ -177,6 +206,7 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+        self._validating = False
         if self._manager is None:
             return
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
@@ -210,6 +240,7 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
         if self._commit is None:  # one vote covers the optimizers that step before the next backward
             self._commit = bool(self._manager.should_commit())  # applies a healed state first
             self._window_open = False
+            self._after_vote()
             if not self._commit and not self._window_continues_batch:  # the batch's logger step, once
                 _progress.undo_batches_stepped(trainer)
             self._window_continues_batch = False
@@ -227,6 +258,61 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
             return True
         _progress.undo_scheduler_step(self.lightning_module.trainer)  # type: ignore[attr-defined]
         return False
+
+    # ---- callbacks and metrics over the live quorum (_callbacks.py) ----------------------------
+
+    def _in_step(self) -> bool:
+        """Inside `training_step`, between this step's quorum and its vote: every group of the quorum runs
+        it, so its reductions are part of the step. (Callbacks that run in the step window, such as
+        `on_train_batch_end` of an accumulation window's micro-batches, may run on one group only.)"""
+        return self._in_training_step and self._window_open and self._commit is None
+
+    def on_validation_start(self) -> None:
+        super().on_validation_start()  # type: ignore[misc]
+        self._validating = True
+
+    def _at_sync_point(self) -> bool:
+        """Validation (it runs at the same batch on every group, committed or not) or a training epoch's
+        end (after its last batch completed): every group of the quorum reduces here, in the same order."""
+        if self._validating:
+            return True
+        progress = self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress  # type: ignore[attr-defined]
+        return bool(progress.is_last_batch) and progress.current.completed == progress.current.ready
+
+    def _after_vote(self) -> None:
+        if self._live is None:
+            return
+        self._live.after_vote()
+        if self._quorum_rank_zero:
+            _callbacks.set_rank_zero(self._live.leader, self.global_rank)  # type: ignore[attr-defined]
+
+    @property
+    def is_global_zero(self) -> bool:
+        live = getattr(self, "_live", None)
+        if live is not None and self._quorum_rank_zero and self._manager_live:
+            return live.leader
+        return self.global_rank == 0  # type: ignore[attr-defined]
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Lightning's reduction inside the group, then across the live groups (`self.log(sync_dist=True)`).
+        A custom `group`, a non-tensor, an unsupported op, or a failed cross-group reduction: the in-group value."""
+        out = super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
+        op = _callbacks.reduce_op_name(reduce_op)
+        if self._live is None or not self._manager_live or group is not None or op is None \
+                or not isinstance(out, torch.Tensor):
+            return out
+        reduced = self._live.reduce(out, op)
+        return out if reduced is None else reduced
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """All (or any) of the group's ranks, then of the live groups; the group's answer when that fails."""
+        votes = torch.tensor(int(decision), device=self.root_device)  # type: ignore[attr-defined]
+        votes = super().reduce(votes, reduce_op="sum")  # type: ignore[misc]
+        local = bool(votes == self.world_size) if all else bool(votes)  # type: ignore[attr-defined]
+        if self._live is None or not self._manager_live:
+            return local
+        reduced = self._live.decide(local, all)
+        return local if reduced is None else reduced
 
     # ---- healing ------------------------------------------------------------------------------
 
@@ -251,9 +337,11 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
     def _callback_states(self, trainer: Any) -> dict[str, Any]:
         states: dict[str, Any] = {}
         for callback in trainer.callbacks:
-            if _dirs.is_model_checkpoint(callback):
-                continue  # its paths name this group's directory; the healed group keeps its own
             key = str(callback.state_key)
+            if _dirs.is_model_checkpoint(callback):
+                if self._quorum_rank_zero:  # one writer per event: the healed group takes over the top-k
+                    states[key] = to_transport(_callbacks.checkpoint_state(callback), where=f"callback {key}")
+                continue  # "group": its paths name this group's files; the healed group keeps its own
             try:
                 state = callback.state_dict()
                 if state:
@@ -278,8 +366,13 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
             self.precision_plugin.load_state_dict(state["precision"])  # type: ignore[attr-defined]
         callbacks = state.get("callbacks") or {}
         for callback in trainer.callbacks:
-            if str(callback.state_key) in callbacks:
-                callback.load_state_dict(callbacks[str(callback.state_key)])
+            key = str(callback.state_key)
+            if key not in callbacks:
+                continue
+            if _dirs.is_model_checkpoint(callback):
+                _callbacks.load_checkpoint_state(callback, callbacks[key])
+            else:
+                callback.load_state_dict(callbacks[key])
         restore_rng(state["rng"])
         local = _progress.snapshot(trainer)
         before = self._window_snapshot["loops"] if self._window_snapshot else local
@@ -325,7 +418,14 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
                 self._ft_data_resume = data
         return checkpoint
 
+    def on_train_end(self) -> None:
+        super().on_train_end()  # type: ignore[misc]
+        if self._manager is not None and self._manager_live:  # fit ended normally: a late group is refused
+            self._manager.finish()
+
     def teardown(self) -> None:
         self._window_open = False
         self._stop_manager()
+        if self._quorum_rank_zero:  # validate/test after fit: Lightning's own rank zero again
+            _callbacks.set_rank_zero(self.global_rank == 0, self.global_rank)  # type: ignore[attr-defined]
         super().teardown()  # type: ignore[misc]

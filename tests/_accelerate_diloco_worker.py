@@ -22,7 +22,7 @@ from ft_lightning.accelerate import DiLoCoPlugin, FaultTolerantDiLoCoAccelerator
 
 class Votes(logging.Handler):
     def __init__(self) -> None:
-        super().__init__(logging.INFO)
+        super().__init__(logging.DEBUG)  # a committed step's event is DEBUG (routine)
         self.votes = 0
         self.heals = 0
 
@@ -43,7 +43,7 @@ def main() -> None:
     args = p.parse_args()
     votes = Votes()
     events = logging.getLogger("ft_core.events")
-    events.setLevel(logging.INFO)
+    events.setLevel(logging.DEBUG)
     events.addHandler(votes)
 
     torch.manual_seed(0)

@@ -3,7 +3,8 @@ exactly-once sampler, writing a ledger line for every step attempt (tests/test_d
 
 Each line: {"kind": "attempt", step, epoch, indices, rank, n, valid, held, consumed} right after
 `loss_weight()` (before the gradient allreduce, so a group killed later in the step still has it),
-then {"kind": "outcome", committed} after the vote. A durable checkpoint (manager + sampler + model)
+then {"kind": "outcome", committed, held, consumed} after the vote (held and consumed as of the vote: a
+step redone without a lost peer, ft_core/redo.py, re-reads who held its batch). A durable checkpoint (manager + sampler + model)
 is written every `--save-every` committed steps when `--save` is given, and loaded at start with `--resume`.
 """
 
@@ -53,6 +54,8 @@ def main() -> int:
     p.add_argument("--save-every", type=int, default=5)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--stop-at-step", type=int, default=None, help="exit cleanly once this step is committed")
+    p.add_argument("--gate", default=None, help="while this file exists, steps from --gate-epoch on are slow")
+    p.add_argument("--gate-epoch", type=int, default=0)
     args = p.parse_args()
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
@@ -117,8 +120,10 @@ def main() -> int:
             loss = ddp(x).pow(2).mean() * weight
             loss.backward()
             optimizer.step()  # votes; steps only on commit
+            final = sampler.last_batch  # a step redone without a lost peer re-reads who held its batch
             ledger.write(json.dumps({"kind": "outcome", "committed": bool(optimizer.committed),
-                                     "step": manager.current_step(), "after": fingerprint()}) + "\n")
+                                     "step": manager.current_step(), "after": fingerprint(),
+                                     "held": list(final.held), "consumed": list(final.consumed)}) + "\n")
             if save_path and optimizer.committed and manager.current_step() % args.save_every == 0:
                 tmp = f"{save_path}.{os.getpid()}.tmp"  # every group writes the same file: one tmp each
                 torch.save({"manager": manager.state_dict(), "sampler": sampler.state_dict(),
@@ -126,6 +131,8 @@ def main() -> int:
                 os.replace(tmp, save_path)
             if args.step_sleep:
                 time.sleep(args.step_sleep)
+            if args.gate and sampler.epoch >= args.gate_epoch and os.path.exists(args.gate):
+                time.sleep(1.0)  # the test is still killing: stay in the epochs where kills are checked
             if done():
                 break
     ledger.write(json.dumps({"kind": "done", "step": manager.current_step(), "epoch": sampler.epoch,

@@ -1,7 +1,12 @@
-"""One replica group of `Trainer(strategy=FaultTolerantDiLoCoStrategy(...))`, for
-tests/test_lightning_diloco.py (run as a script; settings from FT_* / REPLICA_GROUP_ID as a user's).
+"""One replica group of fault-tolerant DiLoCo in a Lightning framework, for tests/test_lightning_diloco.py
+and tests/test_fabric_diloco.py (run as a script; settings from FT_* / REPLICA_GROUP_ID as a user's).
 
-Writes per rank a JSON summary at the end: global step, Manager step, the count of cross-group
+--framework: "trainer" (`lightning.pytorch.Trainer` + `FaultTolerantDiLoCoStrategy`), "pytorch_lightning"
+(the standalone package's Trainer + its strategy) or "fabric" (a plain Fabric loop +
+`FaultTolerantFabricDiLoCoStrategy`). All three run Streaming DiLoCo with 2 fragments, delay 1, alpha 0.5,
+sync_every 4 over the same model and data (16 inner steps per group).
+
+Writes per rank a JSON summary at the end: inner (global) step, Manager step, the count of cross-group
 allreduces and of votes (one each per sync), and DiLoCo's global copies and outer optimizer state.
 --kill-at-step SIGKILLs the process after that optimizer step.
 """
@@ -9,6 +14,7 @@ allreduces and of votes (one each per sync), and DiLoCo's global copies and oute
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -18,12 +24,11 @@ import torch
 
 torch.set_num_threads(1)
 
-import lightning.pytorch as pl
 from torch.utils.data import DataLoader, TensorDataset
 
 from ft_core.manager import Manager
-from ft_lightning.strategy import FaultTolerantDiLoCoStrategy
 
+DILOCO = dict(sync_every=4, fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.5)
 ALLREDUCES = [0]
 _original = Manager._allreduce_future
 
@@ -38,7 +43,7 @@ Manager._allreduce_future = _counted  # every cross-group reduction goes through
 
 class Votes(logging.Handler):
     def __init__(self) -> None:
-        super().__init__(logging.INFO)
+        super().__init__(logging.DEBUG)  # a committed step's event is DEBUG (routine)
         self.commits = 0
         self.heals = 0
 
@@ -50,34 +55,100 @@ class Votes(logging.Handler):
             self.heals += 1
 
 
-class Regression(pl.LightningModule):
-    def __init__(self, samples: int) -> None:
-        super().__init__()
-        self.samples = samples
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-
-    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self):  # type: ignore[no-untyped-def]
-        return torch.optim.AdamW(self.parameters(), lr=0.02)
-
-    def train_dataloader(self):  # type: ignore[no-untyped-def]
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(self.samples, 8, generator=g)
-        y = x @ torch.linspace(-1, 1, 8).unsqueeze(1)
-        return DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)
+def make_net() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 
 
-class Killer(pl.Callback):
-    def __init__(self, step: int | None) -> None:
-        self.step = step
+def make_data(samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, 8, generator=g)
+    return x, x @ torch.linspace(-1, 1, 8).unsqueeze(1)
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
-        if self.step is not None and trainer.global_step >= self.step:
-            print(f"SIGKILL at global step {trainer.global_step}", flush=True)
-            os.kill(os.getpid(), 9)
+
+def kill_self(step: int) -> None:
+    print(f"SIGKILL at inner step {step}", flush=True)
+    os.kill(os.getpid(), 9)
+
+
+def run_trainer(args: argparse.Namespace, namespace: str) -> tuple[object, int]:
+    """Trainer: 2 epochs over this group's half of the samples; returns (strategy, inner steps)."""
+    pl = importlib.import_module(namespace)
+    strategies = importlib.import_module("ft_lightning.strategy" if namespace == "lightning.pytorch"
+                                         else "ft_lightning.pytorch_lightning")
+
+    class Regression(pl.LightningModule):
+        def __init__(self, samples: int) -> None:
+            super().__init__()
+            self.samples = samples
+            self.net = make_net()
+
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            return torch.optim.AdamW(self.parameters(), lr=0.02)
+
+        def train_dataloader(self):  # type: ignore[no-untyped-def]
+            return DataLoader(TensorDataset(*make_data(self.samples)), batch_size=4, shuffle=True)
+
+    class Killer(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
+            if args.kill_at_step is not None and trainer.global_step >= args.kill_at_step:
+                kill_self(trainer.global_step)
+
+    pl.seed_everything(0, verbose=False)
+    strategy = strategies.FaultTolerantDiLoCoStrategy(**DILOCO)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=args.epochs,
+                         default_root_dir=args.out, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                         callbacks=[Killer()])
+    trainer.fit(Regression(args.samples))
+    return strategy, trainer.global_step
+
+
+class Position:
+    """The Fabric loop's position, registered with the strategy so a healed group goes on from its peers'."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step = int(state["step"])
+
+
+def run_fabric(args: argparse.Namespace) -> tuple[object, int]:
+    """A plain Fabric loop over this group's half of the same samples (batch 4, in order, 2 epochs)."""
+    from lightning.fabric import Fabric
+
+    from ft_lightning.fabric import FaultTolerantFabricDiLoCoStrategy
+
+    torch.manual_seed(0)
+    strategy = FaultTolerantFabricDiLoCoStrategy(**DILOCO)
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1)
+    fabric.launch()
+    net = make_net()
+    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=0.02))
+    position = Position()
+    strategy.register_state("position", position)
+    x, y = make_data(args.samples)
+    x, y = x[args.group::2], y[args.group::2]
+    per_epoch = len(x) // 4
+    total = per_epoch * args.epochs
+    while position.step < total:
+        batch = (position.step % per_epoch) * 4
+        loss = torch.nn.functional.mse_loss(model(x[batch:batch + 4]), y[batch:batch + 4])
+        fabric.backward(loss)
+        optimizer.step()  # the inner step; DiLoCo syncs (and may heal `position`) inside it when due
+        optimizer.zero_grad()
+        position.step += 1
+        if args.kill_at_step is not None and position.step >= args.kill_at_step:
+            kill_self(position.step)
+    strategy.shutdown()
+    return strategy, position.step
 
 
 def main() -> None:
@@ -85,30 +156,28 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--group", type=int, required=True)
     p.add_argument("--incarnation", type=int, default=1)
+    p.add_argument("--framework", choices=("trainer", "pytorch_lightning", "fabric"), default="trainer")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--kill-at-step", type=int, default=None)
     args = p.parse_args()
     votes = Votes()
     events = logging.getLogger("ft_core.events")
-    events.setLevel(logging.INFO)
+    events.setLevel(logging.DEBUG)
     events.addHandler(votes)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
-    pl.seed_everything(0, verbose=False)
-    strategy = FaultTolerantDiLoCoStrategy(sync_every=4, fragments=2, fragment_sync_delay=1,
-                                           fragment_update_alpha=0.5)
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=args.epochs,
-                         default_root_dir=args.out, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
-                         callbacks=[Killer(args.kill_at_step)])
-    trainer.fit(Regression(args.samples))
+    if args.framework == "fabric":
+        strategy, inner_steps = run_fabric(args)
+    else:
+        strategy, inner_steps = run_trainer(args, "lightning.pytorch" if args.framework == "trainer"
+                                            else "pytorch_lightning")
     state = strategy.manager.healing_state()["user"]
     fragments = {key: {"original_parameters": {n: t.tolist() for n, t in value["original_parameters"].items()},
                        "outer_optimizer": {str(i): {k: v.tolist() for k, v in s.items()}
                                            for i, s in value["outer_optimizer"]["state"].items()}}
                  for key, value in state.items() if key.startswith("StreamingDiLoCoFragment_")}
-    summary = {"group": args.group, "global_step": trainer.global_step, "epoch": trainer.current_epoch,
+    summary = {"group": args.group, "framework": args.framework, "global_step": inner_steps,
                "manager_step": strategy.manager.current_step(), "allreduces": ALLREDUCES[0],
                "votes": votes.commits, "heals": votes.heals, "fragments": fragments}
     with open(os.path.join(args.out, f"summary_g{args.group}_i{args.incarnation}.json"), "w") as f:

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 import torch
 
@@ -52,10 +53,12 @@ class Model(pl.LightningModule):
 
 
 class Ledger(pl.Callback):
-    def __init__(self, path: str, strategy: FaultTolerantDDPStrategy, sleep: float) -> None:
+    def __init__(self, path: str, strategy: FaultTolerantDDPStrategy, sleep: float, gate: str | None = None,
+                 gate_epoch: int = 0) -> None:
         self.file = open(path, "a", buffering=1)  # noqa: SIM115 (open until exit)
         self.strategy = strategy
         self.sleep = sleep
+        self.gate, self.gate_epoch = gate, gate_epoch
         self.before = ""
 
     def fingerprint(self) -> str:
@@ -81,9 +84,9 @@ class Ledger(pl.Callback):
         self.write({"kind": "outcome", "committed": bool(self.strategy._commit),
                     "step": self.strategy.manager.current_step(), "after": self.fingerprint()})
         if self.sleep:
-            import time
-
             time.sleep(self.sleep)
+        if self.gate and self.strategy.data_sampler.epoch >= self.gate_epoch and os.path.exists(self.gate):
+            time.sleep(1.0)  # the test is still killing: stay in the epochs where kills are checked
 
     def on_train_end(self, trainer, pl_module):  # type: ignore[no-untyped-def]
         self.write({"kind": "done", "step": self.strategy.manager.current_step(),
@@ -98,12 +101,14 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--gate", default=None, help="while this file exists, steps from --gate-epoch on are slow")
+    p.add_argument("--gate-epoch", type=int, default=0)
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     pl.seed_everything(0, verbose=False)
     strategy = FaultTolerantDDPStrategy(exactly_once=True, timeout=5.0, quorum_timeout=60.0,
                                         replica_id=f"group{os.environ['REPLICA_GROUP_ID']}")
-    ledger = Ledger(args.ledger.format(rank=0), strategy, args.step_sleep)
+    ledger = Ledger(args.ledger.format(rank=0), strategy, args.step_sleep, args.gate, args.gate_epoch)
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=args.epochs, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                          callbacks=[ledger])

@@ -40,7 +40,7 @@ Manager._allreduce_future = _counted_allreduce  # count the Manager's cross-grou
 
 class EventCounter(logging.Handler):
     def __init__(self) -> None:
-        super().__init__(logging.INFO)
+        super().__init__(logging.DEBUG)  # routine events (a quorum that changed nothing, a commit) are DEBUG
         self.counts: dict[str, int] = {}
         self.heals = 0
 
@@ -181,7 +181,7 @@ def main() -> None:
 
     events = EventCounter()
     events_logger = logging.getLogger("ft_core.events")
-    events_logger.setLevel(logging.INFO)
+    events_logger.setLevel(logging.DEBUG)
     events_logger.addHandler(events)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     logging.getLogger("ft_lightning").setLevel(logging.INFO)

@@ -5,6 +5,7 @@ gating of a FaultTolerantAccelerator against a real loopback lighthouse."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -86,7 +87,8 @@ def test_plugin_defaults(clean_env):
     assert plugin.settings() == {
         "lighthouse": LH, "replica_group_id": 0, "num_replica_groups": 1, "min_replica_size": 1, "timeout": 60.0,
         "quorum_timeout": 60.0, "connect_timeout": 60.0, "world_size_mode": "dynamic", "backend": "auto",
-        "async_quorum": True, "token": None, "host": None}
+        "async_quorum": True, "token": None, "host": None, "exactly_once": False, "global_batch_size": None,
+        "checkpoint_dir": None}
 
 
 def test_plugin_is_frozen_and_hides_the_token(clean_env):
@@ -182,7 +184,8 @@ def test_launch_precedence_is_flag_then_environment_then_config_file(file_values
 def test_settings_travel_as_environment_variables_the_plugin_reads_back(clean_env):
     values = {"lighthouse": LH, "replica_group_id": 1, "num_replica_groups": 2, "timeout": 2.5, "async_quorum": False,
               "world_size_mode": "fixed_with_spares", "backend": "gloo", "min_replica_size": 2,
-              "quorum_timeout": 7.0, "connect_timeout": 3.0, "token": "abc", "host": "10.0.0.7"}
+              "quorum_timeout": 7.0, "connect_timeout": 3.0, "token": "abc", "host": "10.0.0.7",
+              "exactly_once": True, "global_batch_size": 24, "checkpoint_dir": "/ckpt/job"}
     env = settings_to_env(values)
     assert env["FT_ASYNC_QUORUM"] == "0" and env["REPLICA_GROUP_ID"] == "1"
     for key, value in env.items():
@@ -250,10 +253,10 @@ def accelerator_factory(clean_env):
 
     made = []
     with LighthouseServer(bind="127.0.0.1:0", min_replicas=1, http_bind=None) as lighthouse:
-        def make(**accelerator_kwargs):
+        def make(ft: dict | None = None, cls=FaultTolerantAccelerator, **accelerator_kwargs):
             plugin = FaultTolerancePlugin(lighthouse=lighthouse.address(), timeout=10, quorum_timeout=10,
-                                          connect_timeout=10)
-            made.append(FaultTolerantAccelerator(ft=plugin, **{"cpu": True, **accelerator_kwargs}))
+                                          connect_timeout=10, **(ft or {}))
+            made.append(cls(ft=plugin, **{"cpu": True, **accelerator_kwargs}))
             return made[-1]
 
         try:
@@ -439,7 +442,8 @@ def test_config_command_asks_on_a_terminal_keeps_defaults_on_enter_and_asks_agai
     assert b"not a valid integer" in transcript
     assert load_config(str(path)) == {
         "lighthouse": LH, "num_replica_groups": 2, "min_replica_size": 1, "timeout": 30.0, "quorum_timeout": 60.0,
-        "connect_timeout": 60.0, "world_size_mode": "fixed_with_spares", "backend": "auto", "async_quorum": False}
+        "connect_timeout": 60.0, "world_size_mode": "fixed_with_spares", "backend": "auto", "async_quorum": False,
+        "exactly_once": False}
 
 
 CPU_LAUNCH_CASES = [
@@ -464,3 +468,96 @@ def test_launch_runs_several_cpu_processes_through_torchrun(cpu, num_processes, 
     assert run_cpu_processes_with_torchrun(args, environ) is rewritten
     assert (args.multi_gpu, args.cpu, environ.get("ACCELERATE_USE_CPU")) == \
         ((True, False, "true") if rewritten else (False, cpu, None))
+
+
+# --- exactly-once data and save_state / load_state, in this process --------------------------------------------
+
+class _Indexed(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, i: int):
+        return torch.full((4,), float(i)), i
+
+
+def _prepared(accelerator, batch_size: int = 4):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(_Indexed(), batch_size=batch_size, shuffle=True)
+    return accelerator.prepare(model, optimizer, loader)
+
+
+@pytest.mark.timeout(60)
+def test_exactly_once_refuses_gradient_accumulation(accelerator_factory):
+    accelerator = accelerator_factory(ft={"exactly_once": True}, gradient_accumulation_steps=2)
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps=2; use 1 with a larger batch_size"):
+        _prepared(accelerator)
+
+
+@pytest.mark.timeout(60)
+def test_exactly_once_refuses_diloco_which_has_no_quorum_per_step(accelerator_factory):
+    from ft_lightning.accelerate import FaultTolerantDiLoCoAccelerator
+
+    accelerator = accelerator_factory(ft={"exactly_once": True}, cls=FaultTolerantDiLoCoAccelerator)
+    with pytest.raises(ConfigError, match="no quorum per step .* use exactly_once=False"):
+        accelerator.prepare(torch.utils.data.DataLoader(_Indexed(), batch_size=4))
+
+
+@pytest.mark.timeout(60)
+def test_exactly_once_refuses_a_second_backward_for_one_batch(accelerator_factory):
+    accelerator = accelerator_factory(ft={"exactly_once": True})
+    model, _, loader = _prepared(accelerator)
+    for x, _ in loader:
+        accelerator.backward(model(x).sum())
+        with pytest.raises(ConfigError, match="one batch per optimizer step"):
+            accelerator.backward(model(x).sum())
+        break
+
+
+@pytest.mark.timeout(60)
+def test_save_state_holds_the_step_and_data_position_and_load_state_restores_them(accelerator_factory, tmp_path):
+    """One group, exactly-once: every training pass is one epoch of 20 samples in 5 steps; save_state after
+    step 3 writes the Manager's step and the sampler's position next to Accelerate's files; after two
+    more steps load_state brings both back, and the next steps train the samples left after step 3. An
+    evaluation pass (model.eval()) reads the whole static shard."""
+    accelerator = accelerator_factory(ft={"exactly_once": True})
+    model, optimizer, loader = _prepared(accelerator)
+    trained: list[int] = []
+    for x, idx in loader:
+        accelerator.backward(model(x).pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+        trained += idx.tolist()
+        if accelerator.ft_step == 3:
+            saved_position = loader.ft_sampler.state_dict()
+            accelerator.save_state(str(tmp_path / "ckpt"))
+        if accelerator.ft_step == 5:
+            break
+    assert sorted(trained) == list(range(20)) and accelerator.ft_step == 5
+    with open(tmp_path / "ckpt" / "fault_tolerance_0.json") as f:
+        state = json.load(f)
+    assert state["manager"] == {"step": 3, "batches_committed": 3}
+    assert state["loaders"][0]["sampler"] == saved_position
+    accelerator.load_state(str(tmp_path / "ckpt"))
+    assert accelerator.ft_step == 3 and loader.ft_sampler.state_dict() == saved_position
+    again: list[int] = []
+    for x, idx in loader:
+        accelerator.backward(model(x).pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+        again += idx.tolist()
+    assert sorted(again) == sorted(trained[12:]) and accelerator.ft_step == 5
+    model.eval()
+    assert sorted(i for _, idx in loader for i in idx.tolist()) == list(range(20))
+
+
+def test_final_checkpoint_is_the_newest_save_state_at_the_final_step_or_later(tmp_path):
+    from ft_lightning.accelerate.data import final_checkpoint, write_state
+
+    for folder, step in (("group0/step_10", 10), ("group1/step_20", 20), ("group1/step_30", 30), ("lone", 25)):
+        os.makedirs(tmp_path / folder)
+        write_state(str(tmp_path / folder), 0, {"manager": {"step": step, "batches_committed": step}})
+    assert final_checkpoint(str(tmp_path), 20) == (str(tmp_path / "group1" / "step_30"), 30)
+    assert final_checkpoint(str(tmp_path), 31) is None
+    assert final_checkpoint(str(tmp_path / "lone"), 25) == (str(tmp_path / "lone"), 25)

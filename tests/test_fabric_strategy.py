@@ -3,6 +3,7 @@ one group is SIGKILLed and restarted, heals, and both end identical. (tests/_fab
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -52,3 +53,57 @@ def test_fabric_killed_group_heals_to_identical_weights(processes, tmp_path):
         assert torch.equal(w0[name], w1[name]), name
     restarted_steps = [json.loads(line)["step"] for line in (tmp_path / "progress_g1.jsonl").read_text().splitlines()]
     assert restarted_steps[:4] == [1, 2, 3, 4] and restarted_steps[4] >= 5  # healed forward, not from 0
+
+
+FABRIC_LEDGER = os.path.join(REPO_ROOT, "tests", "_fabric_ledger_worker.py")
+
+
+@pytest.mark.timeout(120)
+def test_fabric_every_group_killed_at_once_resumes_from_fabric_save(processes, tmp_path):
+    """Three Fabric groups with the exactly-once sampler save `fabric.save(path, {model, optimizer})`
+    every 4 committed steps (it adds the Manager's step and the sampler's position); all three are
+    SIGKILLed at once mid-epoch and restarted with `fabric.load`: each resumes at its file's step and
+    position, and the ledger from there (tests/test_data_ledger.py's check) loses and repeats nothing."""
+    import time
+
+    from test_data_ledger import LedgerGroup, check_ledger
+
+    from ft_core.control.lighthouse import LighthouseServer
+
+    size = 120  # 10 steps an epoch with 3 groups of batch 4
+    ckpt = tmp_path / "ckpt"
+    args = ["--epochs", "2", "--size", str(size), "--step-sleep", "0.02", "--save", str(ckpt), "--save-every", "4",
+            "--resume"]
+    with LighthouseServer(bind="127.0.0.1:0", min_replicas=3, join_timeout_ms=5000, http_bind=None) as lighthouse:
+        gs = [LedgerGroup(processes, tmp_path, g, 3, lighthouse.address(), args, worker=FABRIC_LEDGER)
+              for g in range(3)]
+        try:
+            for g in gs:
+                g.start()
+            deadline = time.monotonic() + 80
+            while not all(os.path.exists(f"{ckpt}.g{g.group}") and g.outcomes() >= 14 for g in gs):
+                assert time.monotonic() < deadline, "no fabric.save written: " + gs[0].output()[-3000:]
+                assert all(g.proc.poll() is None for g in gs), [g.output()[-2000:] for g in gs]
+                time.sleep(0.1)
+            for g in gs:
+                g.kill()
+            saved = {g.group: torch.load(f"{ckpt}.g{g.group}", weights_only=True) for g in gs}
+            for g in gs:
+                g.start()
+            for g in gs:
+                assert g.proc.wait(timeout=80) == 0, g.output()[-3000:]
+        finally:
+            for g in gs:
+                if g.proc is not None and g.proc.poll() is None:
+                    g.kill()
+    for g in gs:
+        file = saved[g.group]
+        assert {"model", "optimizer", "ft_manager", "ft_data"} <= set(file), sorted(file)
+        assert file["ft_manager"]["step"] >= 4 and file["ft_manager"]["step"] % 4 == 0, file["ft_manager"]
+        assert file["ft_data"]["position"]["step"] == file["ft_manager"]["step"]
+        start = g._rows("start")[0]  # the restarted incarnation's first line, before its first step
+        assert start["step"] == file["ft_manager"]["step"], (start, file["ft_manager"])
+        position = hashlib.sha1(json.dumps(file["ft_data"]["position"]).encode()).hexdigest()[:16]
+        assert start["position"] == position, "the sampler did not resume at the saved data position"
+    verdict = check_ledger(tmp_path, size)
+    assert sorted(verdict) == [0, 1], verdict

@@ -359,6 +359,7 @@ TRAINER = textwrap.dedent("""
         time.sleep(float(sys.argv[2]))
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
     print("finished step", manager.current_step(), "weights", digest[:16], flush=True)
+    manager.finish()
     manager.shutdown()
 """)
 
@@ -467,8 +468,12 @@ def test_a_group_restarted_after_the_job_finished_is_stopped_not_retrained_alone
     killed = [line for line in out.splitlines() if "killed: fault injection 1/1" in line]
     assert len(killed) == 1, out[-3000:]
     victim = killed[0].split("group ")[1].split()[0]
-    assert f"group {victim} lost: the job already finished at step" in out, out[-3000:]
-    assert "no live peer to heal from" in out and f"group(s) {victim} lost" in out
+    # The engine refuses it at its first quorum (Manager.finish told the lighthouse); `ftl launch`'s own watch
+    # of the lighthouse is the second line of defence, for scripts that do not call finish().
+    refused = f"group {victim} lost: refused, not restarted: replica group {victim}: the job finished at step 100"
+    watched = f"group {victim} lost: the job already finished at step"
+    assert refused in out or watched in out, out[-3000:]
+    assert f"group(s) {victim} lost" in out
     assert len([line for line in out.splitlines() if "finished step 100 weights" in line]) == 1, out[-3000:]
 
 
@@ -502,3 +507,26 @@ def test_launch_says_why_a_quorum_is_not_forming_while_groups_wait(tmp_path, pro
     note = [line for line in lines if "for a quorum" in line]
     assert note, "".join(lines)[-3000:]
     assert note[0].startswith("[launch] group 0 waiting ") and "need min_replicas 2" in note[0], note
+
+
+@pytest.mark.timeout(100)
+def test_launch_reports_a_group_the_lighthouse_refused_because_the_job_had_finished(tmp_path, processes):
+    # A lighthouse on its own; group 1 trains and finishes (Manager.finish); then `ftl launch` starts group 0
+    # behind the end: the engine refuses it (JobFinishedError) and the launcher reports that, no restart.
+    from ft_core.control.lighthouse import LighthouseServer
+
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_job_end_worker.py")
+    with LighthouseServer(min_replicas=1, join_timeout_ms=500) as lighthouse:
+        env = child_env(FT_LIGHTHOUSE=lighthouse.address())
+        done = processes.spawn([sys.executable, worker, "--group", "1", "--steps", "6"], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        out1 = done.communicate(timeout=60)[0]
+        assert done.returncode == 0 and "done at step 6" in out1, out1[-3000:]
+        launch = processes.spawn(_ftl("launch", "--groups", "1", "--lighthouse", lighthouse.address(),
+                                      "--restart-delay", "0", "--", worker, "--group", "0", "--steps", "6"),
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        out = communicate_or_interrupt(launch, 60)
+    assert launch.returncode == 1, out[-3000:]
+    assert "group 0 lost: refused, not restarted: replica group replica_group_0: the job finished at step 6 " \
+           "(group replica_group_1) while this group was at step 0" in out, out[-3000:]
+    assert "restarting" not in out and "committed step" not in out and "run failed: group(s) 0 lost" in out

@@ -77,7 +77,8 @@ GENERATED = ("ft_pb2.py", "ft_pb2_grpc.py", "ft_pb2.pyi")
 # Rooms of ft_core and the rooms each may import (docs/architecture.md draws them).
 STEP_PROTOCOL = {"ft_core.manager", "ft_core.manager_config", "ft_core.step_rules", "ft_core.managed_work",
                  "ft_core.futures", "ft_core.ddp", "ft_core.optim", "ft_core.data", "ft_core.metrics",
-                 "ft_core.local_sgd", "ft_core.diloco", "ft_core.healing", "ft_core.buffers", "ft_core.stores"}
+                 "ft_core.local_sgd", "ft_core.diloco", "ft_core.healing", "ft_core.buffers", "ft_core.stores",
+                 "ft_core.redo"}
 SHARED_LEAVES = {"ft_core.errors", "ft_core.settings", "ft_core.net"}
 OUTSIDE_THE_ROOMS = {"ft_core", "ft_core.__main__",  # the lazy package and `python -m ft_core` (the CLI)
                      "ft_core.lighthouse", "ft_core.manager_server", "ft_core.process_group"}  # deprecated aliases

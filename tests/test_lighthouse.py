@@ -576,3 +576,36 @@ def test_stream_quorum_deadline_bad_request_and_shutdown_are_answered_on_the_ope
             assert outcome and isinstance(outcome[0], StreamUnavailable), outcome
     finally:
         server.shutdown()
+
+
+def test_a_stream_of_rapid_heartbeats_gets_few_answers_and_stays_alive() -> None:
+    # Answers only prove the stream is alive to the client (its staleness limit is >= 3 s), so the lighthouse
+    # answers a stream's heartbeats at most every HEARTBEAT_ACK_S: 200 heartbeats cost no 200 writes.
+    from ft_core.control.lighthouse import HEARTBEAT_ACK_S
+    from ft_core.control.proto import ft_pb2, ft_pb2_grpc
+    import grpc
+
+    with LighthouseServer(http_bind=None) as server, grpc.insecure_channel(server.address()) as channel:
+        stub = ft_pb2_grpc.LighthouseServiceStub(channel)
+        beats = [ft_pb2.LighthouseHeartbeatRequest(replica_id="rapid")] * 200
+        started = time.monotonic()
+        answers = list(stub.HeartbeatStream(iter(beats), timeout=30))
+        elapsed = time.monotonic() - started
+        assert 1 <= len(answers) <= 2 + elapsed / HEARTBEAT_ACK_S, (len(answers), elapsed)
+        assert all(not a.HasField("peer_lost") and not a.request_id for a in answers)
+
+
+def test_many_heartbeat_streams_of_one_process_share_one_thread(lighthouse: LighthouseServer) -> None:
+    # "Many members per process" costs one event loop thread, not a thread (or two) per stream.
+    with LighthouseClient(lighthouse.address()) as client:
+        streams = [client.start_heartbeat_stream(f"shared-{i}") for i in range(12)]
+        assert all(s.wait_connected(20) for s in streams)
+        names = [t.name for t in threading.enumerate()]
+        assert names.count("ftl-heartbeat-streams") == 1 and not any(n.startswith("ftl-heartbeat-s") and
+                                                                        n != "ftl-heartbeat-streams" for n in names)
+        got = run_calls([lambda s=s, i=i: s.quorum(QuorumMember(f"shared-{i}", step=1), 20)
+                         for i, s in enumerate(streams)])
+        quorums = [q for q, _ in got]
+        assert all(isinstance(q, Quorum) for q in quorums), quorums
+        assert {q.quorum_id for q in quorums} == {quorums[0].quorum_id}
+        assert all(q.replica_ids == sorted(f"shared-{i}" for i in range(12)) for q in quorums)

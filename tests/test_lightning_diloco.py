@@ -1,14 +1,17 @@
-"""`FaultTolerantDiLoCoStrategy` ("fault_tolerant_diloco") with two Trainer processes: Streaming
-DiLoCo (two fragments, delay 1, alpha 0.5); one group is SIGKILLed mid-epoch and restarted, heals
-at a sync, and both end with identical global parameters and outer optimizer state; every group
-sends exactly one cross-group allreduce per sync (bucketized pseudo-gradients)."""
+"""`FaultTolerantDiLoCoStrategy` ("fault_tolerant_diloco") with two Trainer processes, for `lightning.pytorch`
+and the standalone `pytorch_lightning`: Streaming DiLoCo (two fragments, delay 1, alpha 0.5); one group is
+SIGKILLed mid-epoch and restarted, heals at a sync, and both end with identical global parameters and outer
+optimizer state; every group sends exactly one cross-group allreduce per sync (bucketized pseudo-gradients).
+`run_kill_restart` is shared with tests/test_fabric_diloco.py (the same worker, in Fabric)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
-import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import child_env
@@ -31,29 +34,43 @@ def logs(out) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(out.glob("*.log")))
 
 
-@pytest.mark.timeout(110)
-def test_diloco_trainer_kill_restart_heals_identical_and_one_allreduce_per_sync(processes, tmp_path):
+def run_kill_restart(processes: Any, out: Path, framework: str) -> tuple[dict, dict]:
+    """Two groups of the worker in `framework`; group 1 is SIGKILLed after inner step 5 and restarted.
+    Checks what every framework must give and returns both survivors' summaries."""
     with LighthouseServer(min_replicas=2, join_timeout_ms=2_000, heartbeat_timeout_ms=2_000,
                           http_bind=None) as lighthouse:
-        g0 = start(processes, lighthouse, tmp_path, 0, 1)
-        victim = start(processes, lighthouse, tmp_path, 1, 1, "--kill-at-step", "5")
-        assert victim.wait(timeout=80) == -9, logs(tmp_path)
-        g1 = start(processes, lighthouse, tmp_path, 1, 2)
+        mode = ("--framework", framework)
+        g0 = start(processes, lighthouse, out, 0, 1, *mode)
+        victim = start(processes, lighthouse, out, 1, 1, *mode, "--kill-at-step", "5")
+        assert victim.wait(timeout=80) == -9, logs(out)
+        g1 = start(processes, lighthouse, out, 1, 2, *mode)
         for proc in (g0, g1):
             try:
                 proc.wait(timeout=80)
             except subprocess.TimeoutExpired:
-                pytest.fail(f"a group did not finish:\n{logs(tmp_path)}")
-            assert proc.returncode == 0, logs(tmp_path)
-    s0 = json.loads((tmp_path / "summary_g0_i1.json").read_text())
-    s1 = json.loads((tmp_path / "summary_g1_i2.json").read_text())
+                pytest.fail(f"a group did not finish:\n{logs(out)}")
+            assert proc.returncode == 0, logs(out)
+    s0 = json.loads((out / "summary_g0_i1.json").read_text())
+    s1 = json.loads((out / "summary_g1_i2.json").read_text())
     # 2 epochs x 8 batches per group = 16 inner steps; a fragment sync every 2 of them
     assert s0["global_step"] == s1["global_step"] == 16
     # 8 syncs, less the one the kill may have failed (the victim died with its allreduce in flight)
     assert s0["manager_step"] == s1["manager_step"] and s0["manager_step"] in (7, 8)
     assert s1["heals"] >= 1
+    # identical global parameters and outer optimizer state in both groups
     assert s0["fragments"] == s1["fragments"] and len(s0["fragments"]) == 2
     for s in (s0, s1):
         # one cross-group collective per sync and none per inner step (a sync around the kill may fail
         # before its collective is issued, when the group was already broken)
         assert s["votes"] - 1 <= s["allreduces"] <= s["votes"], s
+    return s0, s1
+
+
+@pytest.mark.timeout(110)
+@pytest.mark.parametrize("framework", [
+    "trainer",
+    pytest.param("pytorch_lightning", marks=pytest.mark.skipif(importlib.util.find_spec("pytorch_lightning") is None,
+                                                               reason="pytorch_lightning is not installed")),
+])
+def test_diloco_trainer_kill_restart_heals_identical_and_one_allreduce_per_sync(processes, tmp_path, framework):
+    run_kill_restart(processes, tmp_path, framework)

@@ -42,7 +42,7 @@ def events():
     handler = Events()
     logger = logging.getLogger("ft_core.events")
     old = logger.level
-    logger.setLevel(logging.INFO)
+    logger.setLevel(logging.DEBUG)  # routine events (a quorum that changed nothing, a commit) are DEBUG
     logger.addHandler(handler)
     yield handler
     logger.removeHandler(handler)

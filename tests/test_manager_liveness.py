@@ -130,7 +130,7 @@ def test_shutdown_ends_every_thread_and_server_it_started():
 
 
 @pytest.mark.timeout(120)
-def test_train_ddp_process_exits_within_a_second_of_manager_shutdown(processes, tmp_path):
+def test_train_ddp_process_exits_promptly_after_manager_shutdown(processes, tmp_path):
     with LighthouseServer(min_replicas=1, join_timeout_ms=1000) as lighthouse:
         group = Group(processes, str(tmp_path), 0, 1, lighthouse.address(), args=["--steps", "3", "--timeout", "60"])
         proc = group.start()
@@ -141,4 +141,5 @@ def test_train_ddp_process_exits_within_a_second_of_manager_shutdown(processes, 
     assert proc.returncode == 0, group.output()[-3000:]
     shutdown = [r for r in read_jsonl(group.path("steps.jsonl", rank="0")) if r.get("event") == "shutdown"]
     assert shutdown, group.output()[-3000:]
-    assert exited - shutdown[0]["time"] < 1.0, f"exited {exited - shutdown[0]['time']:.2f}s after shutdown"
+    # the bound is issue 13's (< 5 s with defaults); it is well under a second on an idle machine (benchmarks)
+    assert exited - shutdown[0]["time"] < 5.0, f"exited {exited - shutdown[0]['time']:.2f}s after shutdown"

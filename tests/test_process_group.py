@@ -30,9 +30,16 @@ from ft_core.process_groups import (
     ProcessGroupDummy,
     ProcessGroupGloo,
 )
-from ft_core.process_groups.child import is_timeout_message, parse_store_addr
+from ft_core.process_groups.child import ChildSpec, build_deadlines, is_timeout_message, parse_store_addr
 
 GROUP_TYPES = [ProcessGroupGloo, ProcessGroupBabyGloo]
+
+
+@pytest.fixture(autouse=True)
+def _baby_start_timeout(monkeypatch):
+    # These tests time ops with short timeouts; a subprocess group's configure is bounded by `timeout` alone
+    # (torchft's rule, tested in test_torchft_compat.py), so give its child's start-up a deadline of its own.
+    monkeypatch.setenv("FT_BABY_START_TIMEOUT_SEC", "60")
 
 
 @pytest.fixture
@@ -70,6 +77,25 @@ def test_bad_store_address_is_a_clear_error(text):
 ])
 def test_timeout_messages_are_classified(message, is_timeout):
     assert is_timeout_message(message) is is_timeout
+
+
+@pytest.mark.parametrize("start_timeout_s, deadline, expected", [
+    (None, 107.0, (7.0, 7.0)),     # torchft's rule: every stage gets what is left of `timeout`
+    (None, 101.5, (1.5, 1.5)),
+    (30.0, 0.0, (30.0, 30.0)),     # explicit start-up deadline; the build gets max(timeout, start)
+    (2.0, 0.0, (2.0, 5.0)),
+])
+def test_subprocess_group_configure_deadlines(start_timeout_s, deadline, expected):
+    spec = ChildSpec(backend="gloo", store_addr="127.0.0.1:1/p", rank=0, world_size=1, timeout_s=5.0,
+                     start_timeout_s=start_timeout_s, deadline=deadline, device=None, group_name="g", global_ranks=None)
+    assert tuple(d.total_seconds() for d in build_deadlines(spec, now=100.0)) == expected
+
+
+def test_subprocess_group_configure_past_its_timeout_names_the_fix():
+    spec = ChildSpec(backend="gloo", store_addr="127.0.0.1:1/p", rank=0, world_size=1, timeout_s=5.0,
+                     start_timeout_s=None, deadline=99.0, device=None, group_name="g", global_ranks=None)
+    with pytest.raises(TimeoutError, match="start_timeout"):
+        build_deadlines(spec, now=100.0)
 
 
 def test_timeout_comes_from_argument_unless_env_overrides(monkeypatch):

@@ -23,6 +23,13 @@ GROUP_TYPES = [ProcessGroupNCCL, ProcessGroupBabyNCCL]
 pytestmark = pytest.mark.cuda
 
 
+@pytest.fixture(autouse=True)
+def _baby_start_timeout(monkeypatch):
+    # Short op timeouts here; a subprocess group's configure is bounded by `timeout` alone (torchft's rule),
+    # and its child's CUDA start-up needs a deadline of its own.
+    monkeypatch.setenv("FT_BABY_START_TIMEOUT_SEC", "60")
+
+
 @pytest.fixture
 def store():
     yield TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))

@@ -162,6 +162,21 @@ CASES = [
     Case("the newer incarnation takes part once the older is gone", joined("g:new", "h:1"),
          {"g:old": 6.0, "g:new": 0.1, "h:1": 0.1}, ["g:new", "h:1"], "Valid quorum found",
          first_seen={"g:old": 50.0, "g:new": 1.0, "h:1": 50.0}),
+    # rule 9: a quorum all behind a healthy member of the previous quorum waits for it past the join timeout
+    # (found by ftl chaos, cells c5 and c7: two restarted groups re-trained steps 1, 2, ... while the group
+    # holding step 251 was stuck in a configure, still heartbeating)
+    Case("all joiners behind a healthy absent holder: wait past the join timeout",
+         joined("b", "c", ago=61.0, step=0), alive("a", "b", "c"), None, "every participant is behind step 251 of a",
+         prev=Quorum(6, (m("a", step=251), m("b", step=0), m("x", step=251))), quorum_id=6),
+    Case("the holder stops heartbeating: the quorum goes on without it", joined("b", "c", ago=61.0, step=0),
+         {"a": 6.0, "b": 0.1, "c": 0.1}, ["b", "c"], "Valid quorum found",
+         prev=Quorum(6, (m("a", step=251), m("b", step=0))), quorum_id=6, expect_id=7),
+    Case("a straggler at the joiners' step is left behind at the join timeout as before",
+         joined("a", "b", ago=61.0, step=9), alive("a", "b", "c"), ["a", "b"], "Valid quorum found",
+         prev=Quorum(3, (m("a", step=9), m("b", step=9), m("c", step=9))), quorum_id=3, expect_id=4),
+    Case("a joiner at the holder's step: no wait for the holder", [(m("b", step=251), 61.0), (m("c", step=0), 61.0)],
+         alive("a", "b", "c"), ["b", "c"], "Valid quorum found",
+         prev=Quorum(6, (m("a", step=251), m("b", step=251))), quorum_id=6, expect_id=7),
     Case("different groups with suffixes are independent", joined("g:1", "h:1"), alive("g:1", "h:1"),
          ["g:1", "h:1"], "Valid quorum found", first_seen={"g:1": 5.0, "h:1": 1.0}),
 ]

@@ -223,3 +223,59 @@ def test_a_commit_records_its_quorum_and_a_heal_adopts_the_source_s_fork():
     healed_only, _ = rules.on_vote(BEHIND, False, local=False, errored=False, num_participants=1, max_retries=None,
                                    healed=target, group_healed=True)
     assert (healed_only.step, healed_only.commit_quorum_id) == (9, 11)
+
+
+# ---- redoing a step that lost a peer (ft_core.redo) ---------------------------------------------------
+
+REDO_BIT_CASES = [
+    # name, enabled, redone, errored, peer_errors_only, recoverable, participating, expected
+    ("a participant that lost a peer and holds every input redoes", True, False, True, True, True, True, True),
+    ("redo turned off (FT_REDO_STEP=0): the step fails as before", False, False, True, True, True, True, False),
+    ("already redone once this step: no second redo", True, True, True, True, True, True, False),
+    ("nothing failed: nothing to redo", True, False, False, True, True, True, False),
+    ("another error too (heal load, user error): not redone", True, False, True, False, True, True, False),
+    ("a reduction was sent before the loss and no copy was kept", True, False, True, True, False, True, False),
+    ("a healer or spare (its inputs were the op's identity): not redone", True, False, True, True, True, False,
+     False),
+]
+
+
+@pytest.mark.parametrize("name,enabled,redone,errored,peer_only,recoverable,participating,expected", REDO_BIT_CASES,
+                         ids=[c[0] for c in REDO_BIT_CASES])
+def test_the_redoable_bit(name, enabled, redone, errored, peer_only, recoverable, participating, expected):
+    assert rules.can_redo(enabled=enabled, redone=redone, errored=errored, peer_errors_only=peer_only,
+                          recoverable=recoverable, participating=participating) is expected
+
+
+def redo_result(ids, *, max_step=5, max_world=None, heal=False, commit_failures=0, max_replica_rank=0):
+    res = result(quorum_id=2, world=len(ids), max_step=max_step, max_world=len(ids) if max_world is None else max_world,
+                 heal=heal, max_replica_rank=max_replica_rank)
+    return QuorumResult(**{**res.__dict__, "replica_ids": list(ids), "commit_failures": commit_failures})
+
+
+OLD = ("a", "b", "c")
+R, A = rules.RedoRole.REPLAY, rules.RedoRole.ABANDON
+REDO_ROLE_CASES = [
+    # name, state, new quorum, expected
+    ("the survivors, all at this step: replay", AT_Q1, redo_result(("a", "b")), R),
+    ("the same members (a failed collective, nobody lost): replay", AT_Q1, redo_result(OLD), R),
+    ("a newcomer (a restarted group has a new id) would pair a fresh step with the replay", AT_Q1,
+     redo_result(("a", "b", "c2")), A),
+    ("a peer committed the step (it is ahead): this group is behind, abandon and heal next quorum",
+     AT_Q1, redo_result(("a", "b"), max_step=6, max_world=1, max_replica_rank=None, heal=True), A),
+    ("a survivor is behind (it was healing): abandon", AT_Q1, redo_result(("a", "b"), max_world=1), A),
+    ("a survivor counted a failure (it gave up and runs a fresh step): abandon", AT_Q1,
+     redo_result(("a", "b"), commit_failures=1), A),
+    ("everyone carries the same older failure count: replay", StepState(step=5, commit_failures=2, quorum_id=1),
+     redo_result(("a", "b"), commit_failures=2), R),
+]
+
+
+@pytest.mark.parametrize("name,state,res,expected", REDO_ROLE_CASES, ids=[c[0] for c in REDO_ROLE_CASES])
+def test_the_role_in_the_redo_quorum(name, state, res, expected):
+    assert rules.redo_role(state, res, OLD) is expected
+
+
+def test_a_redone_step_commits_with_the_new_participant_count():
+    state, actions = rules.on_vote(AT_Q1, True, local=True, errored=False, num_participants=2, max_retries=None)
+    assert (state.step, state.batches_committed, state.commit_failures) == (6, 12, 0) and actions.committed

@@ -186,6 +186,34 @@ def test_subprocess_group_counts_its_active_work():
         pg.shutdown()
 
 
+@pytest.mark.timeout(60)
+def test_subprocess_group_timeout_bounds_configure_against_a_store_that_never_completes():
+    # torchft: ProcessGroupBabyGloo(timeout=...).configure(store_addr, replica_id, rank, world_size) raises
+    # within `timeout` when the peers never arrive; no separate start-up timeout unless one is passed.
+    import time
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    timeout = 3.0
+    pg = ProcessGroupBabyGloo(timeout=timedelta(seconds=timeout))
+    try:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="timeout|timed out|did not finish"):
+            pg.configure(f"127.0.0.1:{store.port}/never", "r0", rank=0, world_size=2)  # rank 1 never comes
+        assert time.monotonic() - started < timeout + 4  # about `timeout`: not 60 s of start-up allowance
+        assert pg.num_active_work() == 0
+        # An explicit start_timeout still gives start-up its own deadline, and the group then works.
+        ok = ProcessGroupBabyGloo(timeout=timedelta(seconds=timeout), start_timeout=timedelta(seconds=60))
+        try:
+            ok.configure(f"127.0.0.1:{store.port}/alone", "r0", rank=0, world_size=1)
+            t = torch.ones(2)
+            ok.allreduce([t], ReduceOp.SUM).wait()
+            assert torch.equal(t, torch.ones(2))
+        finally:
+            ok.shutdown()
+    finally:
+        pg.shutdown()
+
+
 def test_local_sgd_names_and_knobs_match_torchft():
     params = inspect.signature(DiLoCo).parameters
     assert list(params)[:5] == ["manager", "model_fragments", "inner_optimizer", "outer_optimizer", "sync_every"]

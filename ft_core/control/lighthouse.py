@@ -26,8 +26,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -37,7 +36,7 @@ from ft_core.control.lighthouse_http import LighthouseMetrics, StatusHTTPServer
 from ft_core.control.lighthouse_state import CLEAN_EXIT, LighthouseConfig, LighthouseCore, Waiter
 from ft_core.control.proto import ft_pb2
 from ft_core.control.quorum import member_problem, replica_id_problem
-from ft_core.control.rpc import SERVER_OPTIONS, add_server_port, token_matches
+from ft_core.control.rpc import SERVER_OPTIONS, AsyncTokenAuthInterceptor, add_server_port
 from ft_core.control.types import QuorumMember
 from ft_core.net import dial_host, format_host_port, is_loopback, split_host_port
 
@@ -49,35 +48,11 @@ DEFAULT_BIND = "127.0.0.1:29510"
 DEFAULT_HTTP_BIND = "127.0.0.1:29511"
 SERVICE = "ftl.LighthouseService"
 _EMPTY = ft_pb2.LighthouseHeartbeatResponse().SerializeToString()
-_UNAUTHENTICATED = "missing or wrong token: set FT_TOKEN (or token=) to the job's shared token"
+HEARTBEAT_ACK_S = 0.5  # answer a stream's heartbeats at most this often (the client's staleness limit is >= 3 s)
 
 
 def _raw(response: bytes) -> bytes:
     return response
-
-
-class AsyncTokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """grpc.aio twin of ft_core.control.rpc.TokenAuthInterceptor: a missing or wrong token gets UNAUTHENTICATED."""
-
-    def __init__(self, token: str | None) -> None:
-        self._token = token
-
-        async def deny_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED)
-
-        async def deny_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED)
-            yield _EMPTY  # pragma: no cover - abort raises; this only makes it an async generator
-
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny_unary)
-        self._deny_stream = grpc.stream_stream_rpc_method_handler(deny_stream)
-
-    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
-                                handler_call_details: grpc.HandlerCallDetails) -> Any:
-        handler = await continuation(handler_call_details)
-        if token_matches(self._token, handler_call_details.invocation_metadata):
-            return handler
-        return self._deny_stream if handler is not None and handler.request_streaming else self._deny_unary
 
 
 class _LighthouseService:
@@ -137,6 +112,8 @@ class _LighthouseService:
         self._core.join(waiter)
         cancelled = False
         try:
+            if waiter.refusal is not None:  # the job finished ahead of this group (ft_core.control.job_end)
+                await context.abort(grpc.StatusCode.OUT_OF_RANGE, waiter.refusal)
             if waiter.issued is None:
                 await asyncio.wait((answered,), timeout=max(remaining, 0.0))
             if waiter.issued is None:
@@ -158,7 +135,12 @@ class _LighthouseService:
         problem = replica_id_problem(request.replica_id)
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lighthouse Heartbeat: {problem}")
-        self._core.heartbeat(request.replica_id)
+        if request.finished:  # the group ended its training: recorded, no heartbeat (it is leaving)
+            self._core.finished(request.replica_id, request.finished_step, request.finished_quorum_id)
+        else:
+            self._core.heartbeat(request.replica_id)
+        if request.want_status:
+            return ft_pb2.LighthouseHeartbeatResponse(quorum_status=self._core.quorum_status()).SerializeToString()
         return _EMPTY
 
     def _push(self, recipients: list[str], payload: bytes) -> None:
@@ -183,9 +165,13 @@ class _LighthouseService:
         replica_id: str | None = None
         why = "broke (connection dropped)"
         outbox: asyncio.Queue = asyncio.Queue()
-        polls: set[asyncio.Task] = set()
+        polls: dict[Waiter, asyncio.TimerHandle] = {}  # this stream's quorum polls still waiting -> their deadline
         writer = self._loop.create_task(self._write_stream(context, outbox))
+        acked = 0.0  # when a heartbeat was last answered (answers only tell the client the stream is alive)
         try:
+            # Headers first: a grpc.aio client waits for them before writing, so a write never races the
+            # trailers of a rejected call (the client would then see INTERNAL instead of the rejection).
+            await context.send_initial_metadata(())
             while True:
                 request = await context.read()
                 if request is grpc.aio.EOF:
@@ -205,35 +191,39 @@ class _LighthouseService:
                     self._outboxes[replica_id] = (token, outbox)
                     self._core.stream_opened(replica_id, token)
                 if request.HasField("quorum"):  # a long poll on the stream; its join counts as the heartbeat
-                    poll = self._loop.create_task(self._stream_quorum(replica_id, request, outbox))
-                    polls.add(poll)
-                    poll.add_done_callback(polls.discard)
+                    self._stream_quorum(replica_id, request, outbox, polls)
                     continue
                 if not opened:
                     self._core.heartbeat(replica_id)
-                outbox.put_nowait(_EMPTY)
+                now = self._loop.time()
+                if opened or now - acked >= HEARTBEAT_ACK_S:
+                    acked = now
+                    outbox.put_nowait(_EMPTY)
             outbox.put_nowait(None)
             await writer  # flush what is queued, then end the call with OK
         finally:
             # No await in here: a second cancellation must not skip the declaration below. The replica is
-            # declared gone first, then its polls are cancelled (their leave() then finds it gone, so no
+            # declared gone first, then its polls are withdrawn (their leave() then finds it gone, so no
             # decision in between sees it as a live straggler).
             if replica_id is not None:
                 entry = self._outboxes.get(replica_id)
                 if entry is not None and entry[0] is token:
                     del self._outboxes[replica_id]
                 self._core.stream_closed(replica_id, token, why)
-            for poll in list(polls):
-                poll.cancel()
+            for waiter, deadline in list(polls.items()):
+                deadline.cancel()
+                self._core.leave(waiter, cancelled=True)
+            polls.clear()
             if not writer.done():
                 writer.cancel()
 
-    async def _stream_quorum(self, replica_id: str, request: ft_pb2.LighthouseHeartbeatRequest,
-                             outbox: asyncio.Queue) -> None:
+    def _stream_quorum(self, replica_id: str, request: ft_pb2.LighthouseHeartbeatRequest, outbox: asyncio.Queue,
+                       polls: dict[Waiter, asyncio.TimerHandle]) -> None:
         """One quorum long poll carried on `replica_id`'s heartbeat stream, bounded by its timeout_ms.
 
-        Answered on the stream's outbox with the request's id (an error as error_code/error); a poll
-        cancelled because its stream ended answers nothing (the replica is gone or falls back)."""
+        No task per poll: the waiter's wake queues the shared answer on the stream's outbox directly
+        (with the request's id), and one timer answers DEADLINE_EXCEEDED if nothing is issued in time.
+        A poll withdrawn because its stream ended answers nothing (the replica is gone or falls back)."""
         rid = request.request_id
 
         def failure(code: grpc.StatusCode, message: str) -> bytes:
@@ -249,28 +239,53 @@ class _LighthouseService:
         if problem is not None:
             outbox.put_nowait(failure(grpc.StatusCode.INVALID_ARGUMENT, problem))
             return
-        answered = self._loop.create_future()
-        waiter = Waiter(member, self._waker(answered))
-        self._core.join(waiter)
-        cancelled = False
-        try:
-            if waiter.issued is None:
-                await asyncio.wait((answered,), timeout=request.timeout_ms / 1000.0)
-        except asyncio.CancelledError:
-            cancelled = True
-            raise
-        finally:
-            self._core.leave(waiter, cancelled=cancelled)
-        if waiter.issued is not None:
+        loop = self._loop
+
+        def finish() -> None:
+            """The poll ends: answered, past its deadline, or woken without an answer (lighthouse closing)."""
+            deadline = polls.pop(waiter, None)
+            if deadline is None:
+                return  # already answered, or withdrawn with its stream
+            deadline.cancel()
+            if waiter.issued is not None:
+                outbox.put_nowait(waiter.issued.stream_response(rid))
+                return
+            self._core.leave(waiter)
+            if waiter.issued is not None:  # issued in the same instant
+                outbox.put_nowait(waiter.issued.stream_response(rid))
+                return
+            closed = self._core.closed
+            older = self._core.refused_by(member.replica_id)
+            why = ("(lighthouse shutting down)" if closed else
+                   f"before the deadline: refused, replica group already has a live member {older}" if older else
+                   "before the deadline")
+            outbox.put_nowait(failure(grpc.StatusCode.UNAVAILABLE if closed else grpc.StatusCode.DEADLINE_EXCEEDED,
+                                      f"no quorum containing {member.replica_id} {why}"))
+
+        def wake() -> None:  # under the core's lock: queue the answer, never call back into the core
+            if threading.get_ident() != self._loop_thread:
+                loop.call_soon_threadsafe(finish)
+            elif waiter.issued is not None:
+                deadline = polls.pop(waiter, None)
+                if deadline is not None:
+                    deadline.cancel()
+                    outbox.put_nowait(waiter.issued.stream_response(rid))
+            elif waiter in polls:
+                loop.call_soon(finish)
+
+        waiter = Waiter(member, wake)
+        self._core.join(waiter)  # wakes nothing here: the poll is registered below
+        if waiter.refusal is not None:  # the job finished ahead of this group (ft_core.control.job_end)
+            outbox.put_nowait(ft_pb2.LighthouseHeartbeatResponse(
+                request_id=rid, error_code=grpc.StatusCode.OUT_OF_RANGE.name, error=waiter.refusal).SerializeToString())
+            return
+        if waiter.issued is not None:  # the last to join: issued at once
             outbox.put_nowait(waiter.issued.stream_response(rid))
             return
-        closed = self._core.closed
-        older = self._core.refused_by(member.replica_id)
-        why = ("(lighthouse shutting down)" if closed else
-               f"before the deadline: refused, replica group already has a live member {older}" if older else
-               "before the deadline")
-        outbox.put_nowait(failure(grpc.StatusCode.UNAVAILABLE if closed else grpc.StatusCode.DEADLINE_EXCEEDED,
-                                  f"no quorum containing {member.replica_id} {why}"))
+        if self._core.closed:
+            polls[waiter] = loop.call_soon(finish)
+            return
+        polls[waiter] = loop.call_later(request.timeout_ms / 1000.0, finish)
 
     @staticmethod
     async def _write_stream(context: grpc.aio.ServicerContext, outbox: asyncio.Queue) -> None:

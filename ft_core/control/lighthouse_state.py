@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ft_core.errors import ConfigError
+from ft_core.control.job_end import FinishedGroup, late_group_problem
 from ft_core.control.proto import ft_pb2
 from ft_core.control.quorum import (
     Joined,
@@ -95,17 +96,30 @@ class Issued:
                     self._stream_field = ft_pb2.LighthouseHeartbeatResponse(
                         quorum_response=payload).SerializeToString()
                 field = self._stream_field
-        return ft_pb2.LighthouseHeartbeatResponse(request_id=request_id).SerializeToString() + field
+        return _request_id_field(request_id) + field
+
+
+def _request_id_field(request_id: int) -> bytes:
+    """LighthouseHeartbeatResponse.request_id (field 2, varint) on the wire, without building a message."""
+    if request_id <= 0:
+        return b""  # proto3 leaves a zero out
+    out = bytearray(b"\x10")
+    while request_id > 0x7F:
+        out.append((request_id & 0x7F) | 0x80)
+        request_id >>= 7
+    out.append(request_id)
+    return bytes(out)
 
 
 class Waiter:
     """One in-flight Quorum call; `wake` is called (under the core's lock) once it has an answer or must end."""
 
-    __slots__ = ("issued", "member", "wake")
+    __slots__ = ("issued", "member", "refusal", "wake")
 
     def __init__(self, member: QuorumMember, wake: Callable[[], None]) -> None:
         self.member = member
         self.issued: Issued | None = None
+        self.refusal: str | None = None  # set instead of waiting: the job finished ahead of it (job_end)
         self.wake = wake
 
 
@@ -135,6 +149,7 @@ class LighthouseCore:
         self._warned_refused: set[tuple[str, str]] = set()  # (refused, older) pairs already logged
         self._notified: set[tuple[int, str]] = set()  # (quorum_id, lost replica) already pushed
         self._notifier: PeerLostNotifier | None = None
+        self._finished: dict[str, FinishedGroup] = {}  # groups that ended training (in memory: this process only)
 
     # -- inputs -------------------------------------------------------------------------------
 
@@ -148,6 +163,8 @@ class LighthouseCore:
         member = waiter.member
         with self._lock:
             rid = member.replica_id
+            if self._finished and self._refuse_late_locked(waiter, now):
+                return
             if rid not in self._dead:
                 self._came_alive_locked(rid, now)
                 self._heartbeats[rid] = now
@@ -159,6 +176,31 @@ class LighthouseCore:
             self._waiters.setdefault(rid, []).append(waiter)
             if not self._still_waiting_locked(now):
                 self._decide_locked(now)
+
+    def finished(self, replica_id: str, step: int, quorum_id: int) -> None:
+        """`replica_id` ended its training normally at `step`: from now on a group joining behind it alone is refused."""
+        with self._lock:
+            self._finished[replica_id] = FinishedGroup(replica_id, step, quorum_id, int(time.time() * 1000))
+        logger.info("replica %s finished training at step %d (last quorum %d); a group that joins later behind "
+                    "step %d with no live peer at it is refused", replica_id, step, quorum_id, step,
+                    extra={"replica_id": replica_id, "step": step, "event": "replica_finished"})
+
+    def _refuse_late_locked(self, waiter: Waiter, now: float) -> bool:
+        """The job finished ahead of this joiner and no live group can heal it: answer it with the refusal."""
+        live = {rid: m.step for rid, m in self._known.items() if rid != waiter.member.replica_id
+                and rid not in self._finished and now - self._heartbeats.get(rid, -1e18) < self._rules.heartbeat_timeout_s}
+        waiter.refusal = late_group_problem(waiter.member, self._finished, live)
+        if waiter.refusal is None:
+            return False
+        logger.warning("replica %s refused: %s", waiter.member.replica_id, waiter.refusal,
+                       extra={"replica_id": waiter.member.replica_id, "event": "replica_late"})
+        waiter.wake()
+        return True
+
+    def quorum_status(self) -> str:
+        """Why no quorum is issued now (or that one is), as /status and `ftl status` give it."""
+        with self._lock:
+            return decide(self._state_locked(), time.monotonic(), self._rules).reason
 
     def _came_alive_locked(self, rid: str, now: float) -> None:
         """Before a heartbeat is recorded: a replica absent or expired until now is newly alive (rule 8 ages)."""
@@ -441,4 +483,6 @@ class LighthouseCore:
                     "join_timeout_ms": self.config.join_timeout_ms,
                     "heartbeat_timeout_ms": self.config.heartbeat_timeout_ms,
                     "quorum_tick_ms": self.config.quorum_tick_ms, "quorums_issued": self._issued,
-                    "token_required": bool(self.config.token), "now_unix_ms": now_ms}
+                    "token_required": bool(self.config.token), "now_unix_ms": now_ms,
+                    "finished": [{"replica_id": f.replica_id, "step": f.step, "quorum_id": f.quorum_id,
+                                  "at_unix_ms": f.at_unix_ms} for f in self._finished.values()]}

@@ -81,10 +81,15 @@ class ManagerClient:
     def commit_round(self, group_rank: int, step: int, should_commit: bool, healed: bool,
                      timeout: timedelta | float) -> tuple[bool, bool]:
         """(AND of the ranks' votes, AND of their `healed` bits) for `step`."""
+        return self.vote_round(group_rank, step, should_commit, healed, timeout)[:2]
+
+    def vote_round(self, group_rank: int, step: int, should_commit: bool, healed: bool,
+                   timeout: timedelta | float, redoable: bool = False) -> tuple[bool, bool, bool]:
+        """commit_round plus the AND of the ranks' `redoable` bits (ft_core.redo)."""
         request = ft_pb2.ShouldCommitRequest(group_rank=group_rank, step=step, should_commit=should_commit,
-                                             healed=healed)
+                                             healed=healed, redoable=redoable)
         response = self._call(self._stub.ShouldCommit, request, "ShouldCommit", timeout)
-        return response.should_commit, response.all_healed
+        return response.should_commit, response.all_healed, response.all_redoable
 
     def checkpoint_metadata(self, group_rank: int, timeout: timedelta | float) -> str:
         """The checkpoint transport address that `group_rank` of this group registered."""

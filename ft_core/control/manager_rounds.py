@@ -46,4 +46,6 @@ class CommitRound:
     healed: dict[int, bool] = field(default_factory=dict)
     decision: bool | None = None
     all_healed: bool = False
+    redoable: dict[int, bool] = field(default_factory=dict)  # ranks that can redo the step (ft_core.redo)
+    all_redoable: bool = False
     error: FTError | None = None

@@ -17,6 +17,7 @@ the server was built with `allow_kill=True` (or FT_ALLOW_KILL=1), which a local 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -27,16 +28,15 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
-import grpc
-
 from ft_core import net, settings
-from ft_core.control import rpc
+from ft_core.control import manager_service, rpc
+from ft_core.control.heartbeat_stream import stream_loop
 from ft_core.control.lighthouse_client import LighthouseClient, StreamUnavailable
 from ft_core.control.manager_rounds import CommitRound, QuorumRound, RankRequest
-from ft_core.control.manager_client import ManagerClient, result_to_pb
+from ft_core.control.manager_client import ManagerClient
 from ft_core.control.manager_server_config import ManagerServerConfig, resolve_config
-from ft_core.errors import ConfigError, FTError, FTTimeoutError, QuorumError, RPCError
-from ft_core.control.proto import ft_pb2, ft_pb2_grpc
+from ft_core.control.quorum_wait import QuorumWaitNotes
+from ft_core.errors import ConfigError, FTError, FTTimeoutError, JobFinishedError, QuorumError, RPCError
 from ft_core.control.recovery import QuorumResult, compute_recovery_plan
 from ft_core.control.types import Quorum, QuorumMember
 
@@ -45,7 +45,6 @@ __all__ = ["ManagerServer", "ManagerClient", "ManagerServerConfig", "QuorumResul
 logger = logging.getLogger(__name__)
 
 MAX_CHECKPOINT_METADATA_BYTES = 64 * 1024
-NO_DEADLINE_S = 1e9  # grpcio reports "no deadline" as ~9e18 seconds remaining
 KILL_EXIT_DELAY_S = 0.1  # lets the Kill response reach the caller before the process exits
 STREAM_WAIT_S = 1.0  # longest a quorum round waits for a connecting heartbeat stream
 REPROBE_S = 2.0  # while this group reports unreachable peers, probe again this often during its long poll
@@ -87,29 +86,31 @@ class ManagerServer:
         self._lighthouse: Any = None
         self._heartbeat_client: Any = None
         self._heartbeat: Any = None
+        self._wait_notes = QuorumWaitNotes(replica_id, self._quorum_status)  # why a long wait for a quorum
 
         cfg = self.config
         # Every rank may wait in Quorum and ShouldCommit at once, plus peers asking CheckpointMetadata.
         workers = 2 * cfg.world_size + 8
         self._handlers = futures.ThreadPoolExecutor(max_workers=workers,
                                                     thread_name_prefix=f"ft-manager[{cfg.replica_id}]")
-        self._server = grpc.server(
-            self._handlers,
-            interceptors=[rpc.TokenAuthInterceptor(cfg.token)], options=rpc.SERVER_OPTIONS)
-        ft_pb2_grpc.add_ManagerServiceServicer_to_server(_ManagerServicer(self), self._server)
+        # grpc.aio on the loop of the group's heartbeat stream: a round completed by a remote call needs no
+        # thread hop (ft_core.control.manager_service)
+        self._loop = stream_loop()
         try:
-            port = rpc.add_server_port(self._server, cfg.bind)  # TLS when FT_TLS_CERT/FT_TLS_KEY are set
+            self._server, port = asyncio.run_coroutine_threadsafe(
+                manager_service.start_server(self, cfg.bind, cfg.token), self._loop).result(30)
         except RuntimeError as exc:
+            self._handlers.shutdown(wait=False, cancel_futures=True)
             raise ConfigError(f"manager server could not bind {cfg.bind!r} ({exc}); "
                               f"pick a free port or port 0") from None
         if not port:
+            self._handlers.shutdown(wait=False, cancel_futures=True)
             raise ConfigError(f"manager server could not bind {cfg.bind!r}; pick a free port or port 0")
         self._address = net.format_host_port(cfg.hostname, port)
-        self._server.start()
         try:
             self._start_heartbeats()
         except BaseException:
-            self._server.stop(None)
+            self._stop_server(None)
             self._handlers.shutdown(wait=False, cancel_futures=True)
             raise
         logger.info("manager server for replica group %s listening on %s (world_size=%d, lighthouse=%s, "
@@ -163,12 +164,19 @@ class ManagerServer:
             lighthouse, self._lighthouse = self._lighthouse, None
         if lighthouse is not None:
             lighthouse.close()
+        self._wait_notes.close()
         if self._heartbeat is not None:
             self._heartbeat.stop()
         if self._heartbeat_client is not None:
             self._heartbeat_client.close()
-        self._server.stop(grace=0.2).wait(timeout=5)
-        self._handlers.shutdown(wait=True, cancel_futures=True)  # grpc does not end its executor's threads
+        self._stop_server(0.2)
+        self._handlers.shutdown(wait=True, cancel_futures=True)
+
+    def _stop_server(self, grace: float | None) -> None:
+        try:
+            asyncio.run_coroutine_threadsafe(manager_service.stop_server(self._server, grace), self._loop).result(5)
+        except Exception:  # keep shutting down the rest; record why this part failed
+            logger.exception("manager server of replica group %s did not stop cleanly", self.replica_id)
 
     def __enter__(self) -> "ManagerServer":
         return self
@@ -182,6 +190,14 @@ class ManagerServer:
                                                   token=cfg.token)
         self._heartbeat = self._heartbeat_client.start_heartbeat_stream(cfg.replica_id, cfg.heartbeat_interval)
         self._heartbeat.add_peer_lost_listener(self._note_lost)
+
+    def notify_finished(self, step: int) -> None:
+        """This group ended its training at `step`: tell every lighthouse address, so a late group is refused."""
+        if self._heartbeat_client is not None and not self._closed:
+            self._heartbeat_client.finished(self.replica_id, step, self._last_quorum_id)
+
+    def _quorum_status(self) -> str:
+        return self._heartbeat_client.quorum_status(self.replica_id, timeout=2.0)
 
     def _note_lost(self, quorum_id: int, replica_id: str) -> None:
         """A lost peer is not probed: the lighthouse already dropped it (probing a cut host costs PROBE_S)."""
@@ -216,6 +232,18 @@ class ManagerServer:
                      timeout: timedelta | float, init_sync: bool = True, commit_failures: int = 0,
                      commit_quorum_id: int = 0) -> QuorumResult:
         """Join this group's quorum round as `group_rank` and return that rank's plan (no gRPC hop)."""
+        rnd, entry, timeout_s, lead = self._join_round(group_rank, step, checkpoint_metadata, shrink_only, timeout,
+                                                       commit_failures, commit_quorum_id)
+        if lead:
+            self._run_round(rnd)
+        else:
+            self._wait_round(rnd, entry, timeout_s)
+        return self._round_plan(rnd, group_rank, init_sync)
+
+    def _join_round(self, group_rank: int, step: int, checkpoint_metadata: str, shrink_only: bool,
+                    timeout: timedelta | float, commit_failures: int,
+                    commit_quorum_id: int) -> tuple[QuorumRound, RankRequest, float, bool]:
+        """Validate a rank's Quorum call and add it to the round: (round, entry, timeout_s, lead?)."""
         self._check_rank("Quorum", group_rank)
         self._check_step("Quorum", step)
         if commit_failures < 0:
@@ -236,10 +264,10 @@ class ManagerServer:
             lead = len(rnd.requests) == self.config.world_size
             if lead:
                 self._quorum_round = QuorumRound()  # later calls belong to the next round
-        if lead:
-            self._run_round(rnd)
-        else:
-            self._wait_round(rnd, entry, timeout_s)
+        return rnd, entry, timeout_s, lead
+
+    def _round_plan(self, rnd: QuorumRound, group_rank: int, init_sync: bool) -> QuorumResult:
+        """The finished round's outcome for `group_rank`: its recovery plan, or the round's error."""
         if rnd.error is not None:
             raise rnd.error
         assert rnd.quorum is not None
@@ -273,30 +301,48 @@ class ManagerServer:
 
     def _run_round(self, rnd: QuorumRound) -> None:
         """Called by the last rank to arrive: cross-check steps, one lighthouse call, wake every rank."""
+        member, error, deadline = self._round_member(rnd, probe=True)
+        quorum: Quorum | None = None
+        if member is not None:
+            self._await_heartbeat_stream(deadline)
+            self._wait_notes.begin()
+            try:
+                quorum = self._lighthouse_quorum(member, deadline)
+            except FTError as exc:
+                error = exc
+            finally:
+                self._wait_notes.end()
+        self._finish_round(rnd, quorum, error)
+
+    def _round_member(self, rnd: QuorumRound, probe: bool) -> tuple[QuorumMember | None, FTError | None, float]:
+        """The group's lighthouse request for a full round (or the error that ends it) and its deadline.
+        Without `probe`, peers are not probed (the caller checked that nothing needs probing)."""
         requests = sorted(rnd.requests.values(), key=lambda r: r.group_rank)
         steps = {r.step for r in requests}
-        quorum: Quorum | None = None
-        error: FTError | None = None
+        deadline = min(r.deadline for r in requests)  # every rank hears the outcome before its deadline
         if len(steps) > 1:
             by_step = ", ".join(f"group rank {r.group_rank} at step {r.step}" for r in requests)
             error = RPCError(f"Quorum: the ranks of replica group {self.replica_id} report different steps "
                              f"({by_step}); every rank of a group must commit the same steps (check for a rank "
                              f"that skipped should_commit or loaded another checkpoint)", peer=self._address,
                              call="Quorum", code="FAILED_PRECONDITION")
-        else:
-            deadline = min(r.deadline for r in requests)  # every rank hears the outcome before its deadline
-            commit_failures = max(r.commit_failures for r in requests)
-            member = QuorumMember(
-                replica_id=self.replica_id, address=self._address, store_address=self.config.store_addr,
-                step=requests[0].step, world_size=self.config.world_size,
-                shrink_only=any(r.shrink_only for r in requests), commit_failures=commit_failures,
-                last_quorum_id=self._last_quorum_id, unreachable=self._probe_peers(commit_failures, deadline),
-                commit_quorum_id=min(r.commit_quorum_id for r in requests))  # the oldest fork any rank is on
-            self._await_heartbeat_stream(deadline)
-            try:
-                quorum = self._lighthouse_quorum(member, deadline)
-            except FTError as exc:
-                error = exc
+            return None, error, deadline
+        commit_failures = max(r.commit_failures for r in requests)
+        return QuorumMember(
+            replica_id=self.replica_id, address=self._address, store_address=self.config.store_addr,
+            step=requests[0].step, world_size=self.config.world_size,
+            shrink_only=any(r.shrink_only for r in requests), commit_failures=commit_failures,
+            last_quorum_id=self._last_quorum_id,
+            unreachable=self._probe_peers(commit_failures, deadline) if probe else (),
+            commit_quorum_id=min(r.commit_quorum_id for r in requests)), None, deadline  # oldest fork of any rank
+
+    def _needs_probe(self, rnd: QuorumRound) -> bool:
+        """Whether this round's lighthouse request first probes peers (after a failed step): a blocking part."""
+        return self._last_quorum is not None and (bool(self._unreachable) or
+                                                  any(r.commit_failures for r in rnd.requests.values()))
+
+    def _finish_round(self, rnd: QuorumRound, quorum: Quorum | None, error: FTError | None) -> None:
+        """Record the round's outcome and wake its ranks."""
         with self._cond:
             if quorum is not None:
                 self._last_quorum_id = max(self._last_quorum_id, quorum.quorum_id)
@@ -382,6 +428,8 @@ class ManagerServer:
                     break  # the long poll used the whole budget; a retry has nothing left to wait with
                 member = replace(member, unreachable=self._probe_peers(member.commit_failures, deadline))
                 attempt -= 1  # a slice is no failed attempt
+            except JobFinishedError:
+                raise  # the job finished ahead of this group: no retry changes that
             except FTError as exc:
                 last = exc
                 logger.warning("lighthouse quorum attempt %d/%d for replica group %s failed: %s", attempt,
@@ -396,7 +444,8 @@ class ManagerServer:
         if last is None or isinstance(last, FTTimeoutError):
             raise FTTimeoutError(f"lighthouse quorum for replica group {self.replica_id} at {where} did not complete "
                                  f"before the deadline ({last or 'no time left'}); check that the lighthouse is up, "
-                                 f"its min_replicas and join_timeout, or raise the quorum timeout")
+                                 f"its min_replicas and join_timeout, or raise the quorum timeout"
+                                 + (f"; the lighthouse said: {said}" if (said := self._wait_notes.last_reason) else ""))
         raise RPCError(f"lighthouse quorum for replica group {self.replica_id} failed after {attempts} attempt(s) at "
                        f"{where}: {last}", peer=self._address, call="Quorum", code="UNAVAILABLE")
 
@@ -443,6 +492,11 @@ class ManagerServer:
     def commit_round_local(self, group_rank: int, step: int, should_commit: bool, healed: bool,
                            timeout: timedelta | float) -> tuple[bool, bool]:
         """(AND of the ranks' votes, AND of their `healed` bits) for `step`: the group's commit barrier."""
+        return self.vote_round_local(group_rank, step, should_commit, healed, timeout)[:2]
+
+    def vote_round_local(self, group_rank: int, step: int, should_commit: bool, healed: bool,
+                         timeout: timedelta | float, redoable: bool = False) -> tuple[bool, bool, bool]:
+        """commit_round_local plus the AND of the ranks' `redoable` bits (ft_core.redo)."""
         self._check_rank("ShouldCommit", group_rank)
         self._check_step("ShouldCommit", step)
         timeout_s = rpc.seconds(timeout)
@@ -464,12 +518,14 @@ class ManagerServer:
                 raise rnd.error
             rnd.votes[group_rank] = (bool(should_commit), token)
             rnd.healed[group_rank] = bool(healed)
+            rnd.redoable[group_rank] = bool(redoable)
             if len(rnd.votes) == self.config.world_size:
                 rnd.decision = all(v for v, _ in rnd.votes.values())
                 rnd.all_healed = all(rnd.healed.get(r, False) for r in rnd.votes)
+                rnd.all_redoable = all(rnd.redoable.get(r, False) for r in rnd.votes)
                 self._commit_round = None
                 self._cond.notify_all()
-                return rnd.decision, rnd.all_healed
+                return rnd.decision, rnd.all_healed, rnd.all_redoable
             self._cond.notify_all()
             while rnd.decision is None and rnd.error is None:
                 if rnd.votes.get(group_rank, (None, None))[1] is not token:
@@ -489,7 +545,7 @@ class ManagerServer:
                 self._cond.wait(remaining)
             if rnd.error is not None:
                 raise rnd.error
-            return rnd.decision, rnd.all_healed
+            return rnd.decision, rnd.all_healed, rnd.all_redoable
 
     # ----------------------------------------------------------------- checkpoint metadata
 
@@ -520,52 +576,3 @@ class ManagerServer:
             os._exit(1)
 
         threading.Thread(target=exit_soon, name=f"ft-manager-kill[{self.replica_id}]", daemon=True).start()
-
-
-class _ManagerServicer(ft_pb2_grpc.ManagerServiceServicer):
-    """gRPC shell: checks the deadline, calls the server's local methods, maps errors to status codes."""
-
-    def __init__(self, server: ManagerServer) -> None:
-        self._server = server
-
-    def _timeout(self, context: grpc.ServicerContext, call: str) -> float:
-        remaining = context.time_remaining()
-        if remaining is None or remaining > NO_DEADLINE_S:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"{call}: missing deadline; every call to the manager server must set a timeout "
-                          f"(ManagerClient always does)")
-        return remaining
-
-    def _run(self, context: grpc.ServicerContext, fn: Any, *args: Any) -> Any:
-        try:
-            return fn(*args)
-        except FTTimeoutError as exc:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
-        except RPCError as exc:
-            code = getattr(grpc.StatusCode, exc.code, None) if exc.code else None
-            context.abort(code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.ABORTED, str(exc))
-        except FTError as exc:
-            context.abort(grpc.StatusCode.ABORTED, str(exc))
-
-    def Quorum(self, request: ft_pb2.ManagerQuorumRequest, context: grpc.ServicerContext) -> Any:
-        timeout = self._timeout(context, "Quorum")
-        result = self._run(context, self._server.quorum_local, request.group_rank, request.step,
-                           request.checkpoint_metadata, request.shrink_only, timeout, request.init_sync,
-                           request.commit_failures, request.commit_quorum_id)
-        return result_to_pb(result)
-
-    def ShouldCommit(self, request: ft_pb2.ShouldCommitRequest, context: grpc.ServicerContext) -> Any:
-        timeout = self._timeout(context, "ShouldCommit")
-        decision, all_healed = self._run(context, self._server.commit_round_local, request.group_rank, request.step,
-                                         request.should_commit, request.healed, timeout)
-        return ft_pb2.ShouldCommitResponse(should_commit=decision, all_healed=all_healed)
-
-    def CheckpointMetadata(self, request: ft_pb2.CheckpointMetadataRequest, context: grpc.ServicerContext) -> Any:
-        self._timeout(context, "CheckpointMetadata")
-        value = self._run(context, self._server.checkpoint_metadata_local, request.group_rank)
-        return ft_pb2.CheckpointMetadataResponse(checkpoint_metadata=value)
-
-    def Kill(self, request: ft_pb2.KillRequest, context: grpc.ServicerContext) -> Any:
-        self._timeout(context, "Kill")
-        self._run(context, self._server._kill, request.msg)
-        return ft_pb2.KillResponse()

@@ -247,7 +247,25 @@ def decide(state: LighthouseState, now: float, config: QuorumConfig) -> Decision
         if left > 0:
             return wait(f"Valid quorum with {len(candidates)} participants, waiting for {stragglers} healthy but "
                         f"not participating stragglers due to join timeout ({left:.1f} s left).")
+        ahead = healthy_holders_ahead(prev, healthy, joined.keys(), max(m.step for m in candidates))
+        if ahead:  # rule 9: never issue a quorum that would train committed steps again while their holder lives
+            holder = ahead[0]
+            return wait(f"New quorum not ready: every participant is behind step {holder.step} of "
+                        f"{', '.join(m.replica_id for m in ahead)} (healthy, not participating); waiting for it to "
+                        f"rejoin or stop heartbeating, since a quorum without it would train committed steps again.")
     return issue(candidates, "Valid quorum found.")
+
+
+def healthy_holders_ahead(prev: Quorum | None, healthy: Collection[str], joined: Collection[str],
+                          max_step: int) -> list[QuorumMember]:
+    """Rule 9: members of the previous quorum, still heartbeating but not joined, whose step is above every
+    candidate's (highest step first). A quorum without them would commit steps 'max_step + 1 ...' a second
+    time, on another history; the join timeout does not apply to them (their heartbeat timeout does)."""
+    if prev is None:
+        return []
+    ahead = [m for m in prev.participants if m.replica_id in healthy and m.replica_id not in joined
+             and m.step > max_step]
+    return sorted(ahead, key=lambda m: (-m.step, m.replica_id))
 
 
 def member_problem(member: QuorumMember | None) -> str | None:

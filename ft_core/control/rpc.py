@@ -17,12 +17,14 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from collections.abc import Awaitable
 from typing import Any, Callable
 
 import grpc
 
 from ft_core import settings
 from ft_core.errors import AuthError, ConfigError, FTTimeoutError, RPCError
+from ft_core.control.job_end import job_finished_error
 from ft_core.net import normalize_address, split_addresses, split_host_port  # noqa: F401 - rpc.split_addresses
 
 TOKEN_METADATA_KEY = "authorization"
@@ -70,6 +72,9 @@ def token_matches(expected: str | None, metadata: Any) -> bool:
     return hmac.compare_digest(presented.encode(), f"Bearer {expected}".encode())
 
 
+_UNAUTHENTICATED = "missing or wrong token: set FT_TOKEN (or token=) to the job's shared token"
+
+
 class TokenAuthInterceptor(grpc.ServerInterceptor):
     """Rejects every call whose bearer token is missing or wrong with UNAUTHENTICATED."""
 
@@ -90,6 +95,30 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         if handler is not None and handler.request_streaming:
             return self._deny_stream
         return self._deny_unary
+
+
+class AsyncTokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """grpc.aio twin of ft_core.control.rpc.TokenAuthInterceptor: a missing or wrong token gets UNAUTHENTICATED."""
+
+    def __init__(self, token: str | None) -> None:
+        self._token = token
+
+        async def deny_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED)
+
+        async def deny_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED)
+            yield b""  # pragma: no cover - abort raises; this only makes it an async generator
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny_unary)
+        self._deny_stream = grpc.stream_stream_rpc_method_handler(deny_stream)
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+                                handler_call_details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(handler_call_details)
+        if token_matches(self._token, handler_call_details.invocation_metadata):
+            return handler
+        return self._deny_stream if handler is not None and handler.request_streaming else self._deny_unary
 
 
 def backoff_delays(initial: float = 0.1, factor: float = 1.5, cap: float = 2.0, jitter: float = 0.1,
@@ -113,6 +142,8 @@ def map_rpc_error(err: grpc.RpcError, *, peer: str, call: str, timeout_s: float 
                               f"or the timeout too short")
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return AuthError(f"{where} was rejected: {details}", peer=peer, call=call, code=code.name)
+    if code == grpc.StatusCode.OUT_OF_RANGE:  # the lighthouse refused a late group: the job finished
+        return job_finished_error(details, peer=peer, call=call)
     if code == grpc.StatusCode.UNAVAILABLE:
         return RPCError(f"{where} failed: peer unavailable ({details}); check that it is running and the "
                         f"address is right", peer=peer, call=call, code=code.name)

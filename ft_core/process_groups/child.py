@@ -16,6 +16,7 @@ import collections
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -322,16 +323,33 @@ class ChildSpec:
     rank: int
     world_size: int
     timeout_s: float
-    start_timeout_s: float
+    start_timeout_s: float | None  # None: the whole build shares `deadline` (torchft: `timeout` bounds configure)
+    deadline: float  # time.time() by which the group must be built when start_timeout_s is None
     device: str | None  # gloo: hostname to bind; nccl/xccl: device string like 'cuda:0'
     group_name: str
     global_ranks: tuple[int, ...] | None
 
 
-def _ready_barrier(store: Any, spec: ChildSpec) -> None:
+def _ready_barrier(store: Any, spec: ChildSpec, timeout: timedelta) -> None:
     """Wait until every member's child has imported torch, so start-up skew doesn't eat the op timeout."""
     store.set(f"baby_ready/{spec.rank}", "1")
-    store.wait([f"baby_ready/{r}" for r in range(spec.world_size)], timedelta(seconds=spec.start_timeout_s))
+    store.wait([f"baby_ready/{r}" for r in range(spec.world_size)], timeout)
+
+
+def build_deadlines(spec: ChildSpec, now: float) -> tuple[timedelta, timedelta]:
+    """(start-up deadline for the store and the ready barrier, connect deadline for building the group).
+
+    With an explicit start timeout, start-up has its own deadline and the build gets max(timeout, start);
+    without one, both share what is left of `timeout` since configure began (torchft's bound)."""
+    timeout = timedelta(seconds=spec.timeout_s)
+    if spec.start_timeout_s is not None:
+        start = timedelta(seconds=spec.start_timeout_s)
+        return start, max(timeout, start)
+    left = spec.deadline - now
+    if left <= 0:
+        raise TimeoutError(f"the child process took longer than the configure timeout ({spec.timeout_s:.1f}s) "
+                           "to start; pass start_timeout= (FT_BABY_START_TIMEOUT_SEC) to give start-up its own deadline")
+    return timedelta(seconds=left), timedelta(seconds=left)
 
 
 def main(requests: Any, replies: Any, spec: ChildSpec) -> None:
@@ -353,11 +371,11 @@ def main(requests: Any, replies: Any, spec: ChildSpec) -> None:
             dev.set_device(torch.device(spec.device or accel))
         if spec.backend == "nccl":
             use_nccl_interface_toward(parse_store_addr(spec.store_addr)[0])
-        timeout = timedelta(seconds=spec.timeout_s)
-        start = timedelta(seconds=spec.start_timeout_s)
-        store = connect_store(spec.store_addr, start)
-        _ready_barrier(store, spec)
-        pg = new_backend(spec.backend, store, spec.rank, spec.world_size, max(timeout, start), timeout,
+        # Recomputed before each stage: without start_timeout each stage gets what is left of `timeout`.
+        store = connect_store(spec.store_addr, build_deadlines(spec, time.time())[0])
+        _ready_barrier(store, spec, build_deadlines(spec, time.time())[0])
+        pg = new_backend(spec.backend, store, spec.rank, spec.world_size, build_deadlines(spec, time.time())[1],
+                         timedelta(seconds=spec.timeout_s),
                          spec.device, spec.group_name, list(spec.global_ranks) if spec.global_ranks else None)
     except Exception as exc:  # reported to the parent, which raises it from configure()
         reply(("init_error", error_kind(exc), f"{type(exc).__name__}: {exc}"))

@@ -44,7 +44,8 @@ from ft_core.process_groups.child import main as child_main
 
 logger = logging.getLogger("ft_core.process_groups")
 
-DEFAULT_START_TIMEOUT: timedelta = settings.get("FT_BABY_START_TIMEOUT_SEC").default
+# How long configure waits past `timeout` for the child's own error report (which names the cause).
+_REPLY_GRACE_S = 1.0
 # How children start. Both give a fresh interpreter (never a fork of the trainer with its threads
 # and CUDA state): "forkserver" forks each child from one preloaded server (fast reconfigure),
 # "spawn" starts each child from scratch (imports torch every time).
@@ -73,7 +74,8 @@ class _Pending:
 class _Child:
     """One generation of the child process: its pipes, its in-flight ops and its receiver thread."""
 
-    def __init__(self, owner: str, spec: ChildSpec, start_timeout: float, start_method: str) -> None:
+    def __init__(self, owner: str, spec: ChildSpec, start_timeout: float, start_method: str,
+                 explicit_start: bool = True) -> None:
         ctx = multiprocessing.get_context(start_method)
         if start_method == "forkserver":
             # Children fork from a server that already imported torch and our child module, so a
@@ -94,7 +96,7 @@ class _Child:
         self._req_recv.close()  # the child's ends: closing ours makes the child's death an EOF here
         self._rep_send.close()
         try:
-            self._await_ready(start_timeout)
+            self._await_ready(start_timeout, explicit_start)
         except BaseException:
             self.kill()
             self._req_send.close()
@@ -104,14 +106,19 @@ class _Child:
         self._thread = threading.Thread(target=self._receive, name=f"{owner}-recv", daemon=True)
         self._thread.start()
 
-    def _await_ready(self, start_timeout: float) -> None:
+    def _await_ready(self, start_timeout: float, explicit_start: bool) -> None:
         deadline = time.monotonic() + start_timeout
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self.kill()
-                raise FTTimeoutError(f"{self.owner}: child process did not come up within {start_timeout:.1f}s "
-                                     "(are all members configuring with the same store prefix?)")
+                if explicit_start:
+                    raise FTTimeoutError(f"{self.owner}: child process did not come up within {start_timeout:.1f}s "
+                                         "(are all members configuring with the same store prefix?)")
+                raise FTTimeoutError(
+                    f"{self.owner}: configure did not finish within timeout={start_timeout - _REPLY_GRACE_S:.1f}s "
+                    "(are all members configuring with the same store prefix? a child's first start imports "
+                    "torch: pass start_timeout= or FT_BABY_START_TIMEOUT_SEC to give start-up its own deadline)")
             ready = multiprocessing.connection.wait([self._rep_recv, self.proc.sentinel], timeout=remaining)
             if self._rep_recv in ready:
                 try:
@@ -249,14 +256,20 @@ class _Child:
 
 
 class ProcessGroupBaby(ProcessGroup):
-    """Runs backend BACKEND in a child process; see the module docstring."""
+    """Runs backend BACKEND in a child process; see the module docstring.
+
+    `timeout` bounds each op and, as in torchft, the whole of configure (child start, store rendezvous,
+    group build). `start_timeout` (or FT_BABY_START_TIMEOUT_SEC), when set, gives the child's start and
+    the meeting of its peers a deadline of their own, for short op timeouts on a slow-starting machine."""
 
     BACKEND = "gloo"
 
     def __init__(self, timeout: timedelta | float | None = None,
                  start_timeout: timedelta | float | None = None, start_method: str | None = None) -> None:
         super().__init__(timeout)
-        self._start_timeout = settings.value("FT_BABY_START_TIMEOUT_SEC", start_timeout, where="start_timeout")
+        # torchft bounds configure by `timeout` alone; start-up gets a deadline of its own only when asked.
+        self._start_timeout: timedelta | None = settings.value("FT_BABY_START_TIMEOUT_SEC", start_timeout,
+                                                               where="start_timeout")
         self._start_method = settings.value("FT_BABY_START_METHOD", start_method, where="start_method")
         self._child: _Child | None = None
         self._lock = threading.Lock()
@@ -273,17 +286,20 @@ class ProcessGroupBaby(ProcessGroup):
                   group_world_size: int | None = None, global_ranks: list[int] | None = None) -> None:
         host = configure_store_host(store_addr, rank, world_size)
         self._end_child()
+        timeout_s = self._timeout.total_seconds()
+        start_s = None if self._start_timeout is None else self._start_timeout.total_seconds()
         spec = ChildSpec(
             backend=self.BACKEND, store_addr=store_addr, rank=rank, world_size=world_size,
-            timeout_s=self._timeout.total_seconds(), start_timeout_s=self._start_timeout.total_seconds(),
+            timeout_s=timeout_s, start_timeout_s=start_s, deadline=time.time() + timeout_s,
             device=self._child_device(host),
             group_name=group_label(quorum_id, replica_id, rank),
             global_ranks=tuple(global_ranks) if global_ranks else None)
         owner = f"ft-baby-{self.BACKEND}-r{rank}"
         started = time.monotonic()
-        # The child's own store and connect deadlines end it first; this bound covers a stuck spawn.
-        child = _Child(owner, spec, self._start_timeout.total_seconds() * 2 + self._timeout.total_seconds(),
-                       self._start_method)
+        # The child's own deadlines end it first (its error names the cause); this bound covers a stuck
+        # start. Without start_timeout, configure as a whole is bounded by `timeout`, as in torchft.
+        bound = timeout_s + _REPLY_GRACE_S if start_s is None else start_s * 2 + timeout_s
+        child = _Child(owner, spec, bound, self._start_method, explicit_start=start_s is not None)
         with self._lock:
             self._child = child
             self._aborted = None

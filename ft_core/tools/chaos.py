@@ -8,6 +8,9 @@ The schedule (seeded; times depend on the machine) draws faults from:
 - kill_heal_source / kill_heal_receiver: wait for a heal (seen in the workers' logs; a kill is
   injected to provoke one) and SIGKILL its source or its receiver while the checkpoint moves;
 - lighthouse: SIGKILL the lighthouse and restart it on the same port after a pause.
+With --network (ft_core.tools.chaos_network) the groups and two lighthouses (primary + standby) run on
+simulated hosts, and the schedule also cuts a group's host, blocks two groups from each other, and cuts
+a lighthouse's host.
 Throughout, each group's checkpoint server delays every request and drops some (chaos transport).
 The job's configuration is one cell of a matrix chosen by the seed (ft_core.tools.chaos_matrix,
 `--matrix list`): ranks per group, quorum mode, init_sync, BatchNorm, two optimizers, MAX/MIN
@@ -18,11 +21,11 @@ checks the records (ft_core.tools.chaos_checks) and that no process is left behi
 
     ftl chaos --groups 3 --faults 200 --seed 1 --out chaos-run
     ftl chaos --matrix list                  # the cells; --matrix 4,7 limits the seed's choice to them
+    ftl chaos --network --faults 20          # as root: network faults too (ft_core.tools.chaos_network)
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -34,83 +37,44 @@ import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 from ft_core.tools.chaos_checks import (
     LogTail,
     check_ledger,
     check_run,
-    divergent_commits,
-    heal_fault_outcomes,
-    heal_stats,
-    ledger,
+    network_fault_outcomes,
     parse_log_name,
     read_run,
-    under_replicated_steps,
 )
 from ft_core.tools.chaos_matrix import (
     FAULT_KINDS,
     HEAL_KINDS,
+    NETWORK_KINDS,
     ChaosConfig,
     matrix_table,
     parse_matrix,
 )
 
-__all__ = ["FAULT_KINDS", "ChaosConfig", "ChaosRun", "main"]
+__all__ = ["FAULT_KINDS", "NETWORK_KINDS", "ChaosConfig", "ChaosRun", "main"]
+from ft_core.tools.chaos_network import (
+    LIGHTHOUSE_HOSTS,
+    Network,
+    durations,
+    graces,
+    network_unavailable,
+)
 from ft_core.tools.chaos_processes import LighthouseProcess, leftovers
+from ft_core.tools.chaos_report import build_parser, print_summary, summarize
+from ft_core.tools.chaos_state import Fault, Live, Stopped
 from ft_core.tools.chaos_worker import EXIT_FILE
 from ft_core.tools.launcher import GroupState, Launcher, LaunchEvent, StopSignals
+from ft_core.tools.netns import NetnsError
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05
-
-
-@dataclass
-class Fault:
-    """One injected fault, as the summary reports it."""
-
-    index: int
-    kind: str
-    time: float
-    target: str
-    detail: str = ""
-    group: int | None = None  # the group killed or stopped, and its incarnation then
-    incarnation: int | None = None
-    receiver: tuple[int, int] | None = None  # heal faults: (group, incarnation) of the healing group
-    step: int | None = None  # heal faults: the step being transferred
-
-
-@dataclass
-class _Live:
-    """The little the schedule needs to know about one incarnation, updated as its records arrive."""
-
-    last_step: int = 0
-    commits: int = 0
-    last_commit: float = 0.0
-    open_recv: dict[str, Any] | None = None  # a transfer started and not yet finished
-    address: str | None = None  # its checkpoint server
-
-    def update(self, records: list[dict[str, Any]]) -> None:
-        for rec in records:
-            kind = rec.get("kind")
-            if kind == "step":
-                self.last_step, self.last_commit = int(rec["step"]), float(rec["time"])
-                self.commits += 1
-            elif kind == "recv_start":
-                self.open_recv = rec
-            elif kind in ("recv_done", "recv_failed"):
-                self.open_recv = None
-            elif kind == "ready":
-                self.address = rec.get("address")
-
-
-@dataclass
-class _Stopped:
-    group: int
-    pids: tuple[int, ...]
-    resume_at: float
+EXIT_SKIPPED = 3  # `--network` where simulated hosts cannot be made (not root, no `ip netns`, no nft)
 
 
 class ChaosRun:
@@ -130,8 +94,8 @@ class ChaosRun:
         self.unexpected: list[str] = []
         self.sessions: set[int] = set()
         self.tails: dict[str, LogTail] = {}
-        self.live: dict[tuple[str, int], _Live] = {}
-        self.stopped: _Stopped | None = None
+        self.live: dict[tuple[str, int], Live] = {}
+        self.stopped: Stopped | None = None
         self.exit_seen: dict[str, float] = {}
         self.stranded: list[int] = []  # groups stopped at the end, stranded below the exit step
         self.lighthouse_back_at: float | None = None
@@ -141,7 +105,15 @@ class ChaosRun:
         self.progress_mark = 0
         self.next_fault_at = 0.0
         self.started = time.monotonic()
-        self.lighthouse = LighthouseProcess(cfg, os.path.join(cfg.out, "lighthouse.log"))
+        self.network = Network(cfg.groups, self.rng) if cfg.network else None
+        self.net_fault: Fault | None = None  # the network fault in force
+        if self.network is None:
+            self.lighthouses = [LighthouseProcess(cfg, os.path.join(cfg.out, "lighthouse.log"))]
+        else:  # a primary and a standby, each on a host of its own; groups get both addresses
+            self.lighthouses = [LighthouseProcess(cfg, os.path.join(cfg.out, f"lighthouse.{name}.log"),
+                                                  host=self.network.address(name), prefix=self.network.prefix(name))
+                                for name in LIGHTHOUSE_HOSTS]
+        self.lighthouse = self.lighthouses[0]  # the one the `lighthouse` fault kills and restarts
         worker = [sys.executable, "-m", "ft_core.tools.chaos_worker", "--out", cfg.out,
                   "--min-replicas", str(cfg.min_replicas), "--timeout", str(cfg.timeout),
                   "--quorum-timeout", str(cfg.quorum_timeout), "--seed", str(cfg.seed),
@@ -149,8 +121,10 @@ class ChaosRun:
                   "--transport-drop", str(cfg.transport_drop), *cfg.cell.worker_args()]
         if cfg.ledger:
             worker += ["--ledger", "--dataset-size", str(cfg.dataset_size)]
+        if self.network is not None:
+            worker = self.network.worker_command(worker)
         self.launcher = Launcher(worker, cfg.groups, nproc_per_group=cfg.cell.ranks,
-                                 lighthouse=self.lighthouse.address, token=cfg.token,
+                                 lighthouse=",".join(lh.address for lh in self.lighthouses), token=cfg.token,
                                  restart=True, restart_delay=cfg.restart_delay, log_dir=os.path.join(cfg.out, "logs"),
                                  on_event=self._on_launch_event, stop_grace=5.0)
 
@@ -173,11 +147,11 @@ class ChaosRun:
             records = tail.read()
             where = parse_log_name(name)
             if records and where is not None and where[1] == 0:  # the schedule follows each group's rank 0
-                self.live.setdefault((where[0], where[2]), _Live()).update(records)
+                self.live.setdefault((where[0], where[2]), Live()).update(records)
 
-    def _current(self, group: int) -> _Live:
+    def _current(self, group: int) -> Live:
         """What the group's current incarnation has logged so far."""
-        return self.live.get((str(group), self.launcher.status(group).incarnation)) or _Live()
+        return self.live.get((str(group), self.launcher.status(group).incarnation)) or Live()
 
     def max_step(self) -> int:
         return max((live.last_step for live in self.live.values()), default=0)
@@ -247,7 +221,7 @@ class ChaosRun:
                 os.killpg(pid, signal.SIGSTOP)
             except ProcessLookupError:
                 pass
-        self.stopped = _Stopped(group, pids, time.monotonic() + hang_s)
+        self.stopped = Stopped(group, pids, time.monotonic() + hang_s)
         self._record("hang", f"group {group}", f"SIGSTOP for {hang_s:.1f}s", group=group,
                      incarnation=self.launcher.status(group).incarnation)
 
@@ -298,9 +272,18 @@ class ChaosRun:
         self._kill(source, kind, f"sending step {start.get('step')} to group {receiver}", **where)
 
     def _due(self) -> None:
-        """End the faults whose time is up: resume a stopped group, bring the lighthouse back."""
+        """End the faults whose time is up: resume a stopped group, bring the lighthouse back, lift a
+        network fault."""
         if self.stopped is not None and time.monotonic() >= self.stopped.resume_at:
             self._resume()
+        if self.network is not None and self.net_fault is not None:
+            fault, end = self.net_fault, time.time()
+            if self.network.due(time.monotonic()) is not None:
+                fault.end, self.net_fault = end, None
+                # the next fault waits for progress and a pause from here, as from any other fault's start
+                self.progress_mark = self.max_step()
+                self.next_fault_at = time.monotonic() + self.rng.uniform(0.5, 1.5) * self.cfg.interval
+                self.say(f"{fault.kind} {fault.target} lifted after {end - fault.time:.1f}s")
         if self.lighthouse_back_at is not None and time.monotonic() >= self.lighthouse_back_at:
             self.lighthouse.start()
             self.lighthouse_back_at = None
@@ -313,13 +296,14 @@ class ChaosRun:
         if self.armed is not None:
             self._fire_heal_fault()
             return
-        busy = self.stopped is not None or self.lighthouse_back_at is not None
+        busy = self.stopped is not None or self.lighthouse_back_at is not None or self.net_fault is not None
         if busy or time.monotonic() < self.next_fault_at or self.max_step() < self.progress_mark + \
                 self.cfg.min_progress_steps:
             return
-        if not self.bag:  # every kind once per round, in a seeded random order
+        if not self.bag:  # every kind once per round, in a seeded random order (or as given: ordered)
             self.bag = list(self.cfg.kinds)
-            self.rng.shuffle(self.bag)
+            if not self.cfg.ordered:
+                self.rng.shuffle(self.bag)
         kind = self.bag[0]
         if kind in HEAL_KINDS:
             self.bag.pop(0)
@@ -330,6 +314,10 @@ class ChaosRun:
                 self.bag.pop(0)
                 self._restart_lighthouse()
             return
+        if kind in NETWORK_KINDS:
+            if self._network_fault(kind):
+                self.bag.pop(0)
+            return
         victim = self._victim()
         if victim is None:
             return
@@ -338,6 +326,35 @@ class ChaosRun:
             self._kill(victim, kind)
         else:
             self._hang(victim)
+
+    def _network_fault(self, kind: str) -> bool:
+        """Inject a network fault if the schedule allows it now (the same rules as kills: the latest state
+        and training survive it); True when injected."""
+        assert self.network is not None
+        seconds = durations(self.cfg, self.rng)[kind]
+        now = time.monotonic()
+        if kind == "host_cut":
+            victim = self._victim()
+            if victim is None:
+                return False
+            self.network.cut_group(victim, seconds, now)
+            self._record(kind, f"group {victim}", f"(at step {self._current(victim).last_step}) link down for "
+                         f"{seconds:.1f}s", group=victim, incarnation=self.launcher.status(victim).incarnation)
+        elif kind == "partition":
+            up = self.up_groups()
+            since = max((f.end or f.time for f in self.faults), default=0.0)
+            if len(up) < self.cfg.groups or any(self._current(g).last_commit <= since for g in up):
+                return False  # every group training (and back since the last fault): the rest make min_replicas
+            a, b = sorted(self.rng.sample(up, 2))
+            self.network.block(a, b, seconds, now)
+            self._record(kind, f"groups {a} and {b}", f"blocked from each other for {seconds:.1f}s", pair=(a, b))
+        else:
+            if len(self.up_groups()) < self.cfg.min_replicas:
+                return False
+            name = self.network.cut_lighthouse(seconds, now)
+            self._record(kind, f"lighthouse host {name}", f"link down for {seconds:.1f}s")
+        self.net_fault = self.faults[-1]
+        return True
 
     def _disarm(self) -> None:
         """No new faults: an armed heal fault that has not fired is skipped."""
@@ -370,6 +387,23 @@ class ChaosRun:
                 self.stranded.append(s.group)
                 self.say(f"group {s.group} stranded below the exit step after its peers exited: stopped")
 
+    def _wedged(self, now_unix: float) -> str | None:
+        """A group that runs, free of any fault, yet committed nothing for `stall` seconds while the others
+        went on (e.g. waiting alone on a lighthouse the others left): why the run must end now."""
+        hit = self.stopped.group if self.stopped is not None else None
+        if self.net_fault is not None and self.net_fault.group is not None:
+            hit = self.net_fault.group
+        for g in range(self.cfg.groups):
+            live = self._current(g)
+            if self.launcher.status(g).state != GroupState.RUNNING or g == hit or not live.ready_at:
+                continue
+            since = max([live.last_commit, live.ready_at] + [f.end or f.time for f in self.faults if f.group == g])
+            if now_unix - since > self.cfg.stall and self.max_step() > live.last_step:
+                return (f"wedged: group {g} (incarnation {self.launcher.status(g).incarnation}) committed nothing for "
+                        f"{now_unix - since:.0f}s, last at step {live.last_step}, while the others went on to step "
+                        f"{self.max_step()}; its log (with its stacks) is in {os.path.join(self.cfg.out, 'logs')}")
+        return None
+
     def _dump_stacks(self) -> None:
         """Every worker prints all its threads' stacks to its group log (SIGUSR1, faulthandler)."""
         for status in self.launcher.statuses():
@@ -384,7 +418,8 @@ class ChaosRun:
     def _remember_sessions(self) -> None:
         for status in self.launcher.statuses():
             self.sessions.update(status.pids)
-        self.sessions.update(self.lighthouse.pids)
+        for lighthouse in self.lighthouses:
+            self.sessions.update(lighthouse.pids)
 
     def run(self) -> dict[str, Any]:
         """Run the job under the schedule; returns the summary (also written to OUT/summary.json)."""
@@ -395,8 +430,15 @@ class ChaosRun:
         progress = (0, time.monotonic())  # (highest step, when it was first seen)
         self.say(f"chaos: {cfg.groups} groups, {cfg.faults} faults, seed {cfg.seed}, cell {cfg.cell.name}, "
                  f"min_replicas {cfg.min_replicas}, out {cfg.out}")
+        if self.network is not None:
+            try:
+                self.network.create()  # removes whatever it made when it fails
+            except NetnsError as exc:
+                self.unexpected.append(f"cannot make the simulated hosts: {exc}")
+                return self._verdict()
         try:
-            self.lighthouse.start()
+            for lighthouse in self.lighthouses:
+                lighthouse.start()
             self.launcher.start()
             self.next_fault_at = time.monotonic() + cfg.interval
             while True:
@@ -413,7 +455,7 @@ class ChaosRun:
                         self.say(f"{len(self.faults)} faults injected; letting the job converge")
                     else:
                         self._inject()
-                quiet = self.stopped is None and self.lighthouse_back_at is None
+                quiet = self.stopped is None and self.lighthouse_back_at is None and self.net_fault is None
                 if phase == "converge" and quiet and self._converged():
                     self.target = self.max_step() + cfg.quiet_steps
                     phase = "train"
@@ -433,7 +475,12 @@ class ChaosRun:
                     self._release_stranded()
                 if self.max_step() > progress[0]:
                     progress = (self.max_step(), now)
-                elif now - progress[1] > cfg.stall and phase != "exit":
+                wedged = self._wedged(time.time()) if phase != "exit" else None
+                if wedged is not None:
+                    self._dump_stacks()
+                    self.unexpected.append(wedged)
+                    break
+                if now - progress[1] > cfg.stall and phase != "exit":
                     self._dump_stacks()
                     self.unexpected.append(f"no progress: the highest committed step stayed {progress[0]} for "
                                            f"{cfg.stall:.0f}s (phase {phase!r}); see the workers' logs (with their "
@@ -450,9 +497,14 @@ class ChaosRun:
         finally:
             if self.stopped is not None:
                 self._resume()
+            if self.net_fault is not None:
+                self.net_fault.end, self.net_fault = time.time(), None
             self.launcher.shutdown(grace=5.0)
-            self.lighthouse.kill()
+            for lighthouse in self.lighthouses:
+                lighthouse.kill()
             self._remember_sessions()
+            if self.network is not None:  # every namespace, link and nft rule goes, whatever happened
+                self.unexpected += [f"simulated hosts: {problem}" for problem in self.network.close()]
         return self._verdict()
 
     def _verdict(self) -> dict[str, Any]:
@@ -461,133 +513,47 @@ class ChaosRun:
         problems = check_run(incarnations, min_replicas=cfg.min_replicas,
                              groups=[str(g) for g in range(cfg.groups)], target=self.target)
         problems += check_ledger(incarnations, cfg.dataset_size) if cfg.ledger else []
+        network = [dataclasses.asdict(f) for f in self.faults if f.kind in NETWORK_KINDS]
+        outcomes = network_fault_outcomes(incarnations, network, graces(cfg))
+        problems += [p for o in outcomes for p in o["problems"]]
         problems += self.unexpected
         problems += [f"group {s.group} ended {s.state.value} ({s.detail}), not done"
                      for s in self.launcher.statuses() if s.state != GroupState.DONE and s.group not in self.stranded]
         problems += [f"process {pid} ({what}) is still running after the run" for pid, what in leftovers(self.sessions)]
-        steps = [r for inc in incarnations for r in inc.steps]
-        quorum_ids = [q for inc in incarnations for q in inc.quorum_ids()]
-        checked = Counter(name for r in steps for name in (r.get("reduce") or {}))
-        summary = {
-            "ok": not problems,
-            "problems": problems,
-            "cell": cfg.cell.name,
-            "divergent_commits": divergent_commits(incarnations),
-            "under_replicated_commits": len(under_replicated_steps(incarnations, cfg.min_replicas)),
-            "wrong_reductions": sum(1 for p in problems if p.startswith("wrong reduction")),
-            "wedged_groups": sum(1 for p in problems if p.startswith("wedged") or "did not complete: group" in p
-                                 or ("ended" in p and "not done" in p)),
-            "hangs": sum(1 for p in problems if p.startswith("no progress") or "at its deadline" in p),
-            "reductions_checked": dict(checked),
-            "ledger": {str(k): v for k, v in ledger(incarnations, cfg.dataset_size).items()} if cfg.ledger else None,
-            "faults_injected": len(self.faults),
-            "faults_requested": cfg.faults,
-            "faults_by_kind": dict(Counter(f.kind for f in self.faults)),
-            "faults_skipped": dict(self.skipped),
-            "stranded_at_exit": list(self.stranded),
-            "target_step": self.target,
-            "max_step": max((int(r["step"]) for r in steps), default=0),
-            "commits_logged": len(steps),
-            "incarnations": len(incarnations),
-            "max_quorum_id": max(quorum_ids, default=0),
-            "lighthouse_starts": self.lighthouse.starts,
-            "transfers": heal_stats(incarnations),
-            "heal_faults": heal_fault_outcomes([dataclasses.asdict(f) for f in self.faults], incarnations),
-            "seconds": round(time.monotonic() - self.started, 1),
-            "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "token"},
-            "faults": [dataclasses.asdict(f) for f in self.faults],
-        }
+        summary = summarize(self, incarnations, problems, outcomes)
         with open(os.path.join(cfg.out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         return summary
 
 
-def print_summary(console: Any, summary: dict[str, Any]) -> None:
-    from rich.table import Table
-
-    table = Table(title="ftl chaos", show_header=False)
-    table.add_row("verdict", "[bold green]PASS[/]" if summary["ok"] else "[bold red]FAIL[/]")
-    table.add_row("cell", summary["cell"])
-    table.add_row("invariants", f"{summary['divergent_commits']} divergent commits, "
-                                f"{summary['under_replicated_commits']} under-replicated commits, {summary['wrong_reductions']} "
-                                f"wrong reductions, {summary['wedged_groups']} wedged groups, {summary['hangs']} hangs; "
-                                f"reductions checked {json.dumps(summary['reductions_checked'])}")
-    table.add_row("faults", f"{summary['faults_injected']} of {summary['faults_requested']} "
-                            f"{json.dumps(summary['faults_by_kind'])}")
-    if summary["faults_skipped"]:
-        table.add_row("skipped", json.dumps(summary["faults_skipped"]))
-    t = summary["transfers"]
-    table.add_row("heals", f"{t['heals_loaded']} loaded; transfers {t['recv_start']} started, {t['recv_done']} "
-                           f"done, {t['recv_failed']} failed; {t['drop']} requests dropped")
-    table.add_row("worker faults", f"{t['skip']} skipped steps, {t['load_failed']} failed loads, "
-                                   f"{t['recv_injected']} failed fetches (injected)")
-    table.add_row("heal faults", json.dumps(summary["heal_faults"]))
-    table.add_row("steps", f"max {summary['max_step']} (target {summary['target_step']}), "
-                           f"{summary['commits_logged']} commits logged over {summary['incarnations']} processes")
-    table.add_row("quorum ids", f"up to {summary['max_quorum_id']}; lighthouse started "
-                                f"{summary['lighthouse_starts']} times")
-    if summary.get("ledger"):
-        rows = summary["ledger"]
-        complete = [r for r in rows.values() if r["complete"]]
-        table.add_row("data ledger", f"{len(complete)} complete epochs of {len(rows)}: lost "
-                                     f"{sum(r['lost'] for r in complete)}, duplicated "
-                                     f"{sum(r['duplicated'] for r in rows.values())}, conflicting steps "
-                                     f"{sum(r['conflicts'] for r in rows.values())} (per epoch in summary.json)")
-    table.add_row("time", f"{summary['seconds']} s")
-    console.print(table)
-    for problem in summary["problems"][:50]:
-        console.print(f"[red]- {problem}[/red]", highlight=False)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ftl chaos", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    d = ChaosConfig(out="")
-    p.add_argument("--groups", type=int, default=d.groups, help=f"replica groups (default {d.groups})")
-    p.add_argument("--faults", type=int, default=d.faults, help=f"faults to inject (default {d.faults})")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed of the fault schedule")
-    p.add_argument("--duration", type=float, default=d.duration,
-                   help=f"hard bound of the whole run in seconds (default {d.duration:.0f}); faults stop at 80%%")
-    p.add_argument("--min-replicas", type=int, default=d.min_replicas, help="participants needed to commit")
-    p.add_argument("--out", default="chaos-run", help="folder for logs and summary.json (default chaos-run)")
-    p.add_argument("--interval", type=float, default=d.interval, help="mean seconds between faults")
-    p.add_argument("--timeout", type=float, default=d.timeout, help="collective/heal timeout of the workers")
-    p.add_argument("--heartbeat-timeout-ms", type=int, default=d.heartbeat_timeout_ms)
-    p.add_argument("--transport-delay-ms", type=float, default=d.transport_delay_ms,
-                   help="delay per checkpoint request on every source")
-    p.add_argument("--transport-drop", type=float, default=d.transport_drop,
-                   help="probability a checkpoint request is dropped")
-    p.add_argument("--kinds", default=",".join(d.kinds), help="comma-separated fault kinds to draw from")
-    p.add_argument("--quiet-steps", type=int, default=d.quiet_steps, help="steps trained after the last fault")
-    p.add_argument("--ledger", action="store_true",
-                   help="train on the exactly-once DistributedSampler (ft_core.data) and check its ledger per epoch "
-                        "(lost, duplicated samples); default: synthetic batches")
-    p.add_argument("--matrix", default="all",
-                   help="'list' prints the matrix cells and exits; 'all' (default) or cell indices like 3,5: the "
-                        "cells the seed chooses among (seed k runs the k-th of them, modulo their number)")
-    return p
-
-
 def main(argv: list[str]) -> int:
-    """`ftl chaos`: exit 0 when every check passed, 1 when one failed, 2 on bad options."""
+    """`ftl chaos`: exit 0 when every check passed, 1 when one failed, 2 on bad options, 3 when --network
+    cannot run here (not root, no `ip netns` or nft)."""
     from rich.console import Console
 
-    opts = build_parser().parse_args(argv)
+    opts = build_parser(__doc__).parse_args(argv)
     console = Console(highlight=False)
     if opts.matrix.strip() == "list":
         console.print(matrix_table(), highlight=False, markup=False)
         return 0
+    kinds = FAULT_KINDS + (NETWORK_KINDS if opts.network else ()) if opts.kinds is None else \
+        tuple(k.strip() for k in opts.kinds.split(",") if k.strip())
     try:
         cfg = ChaosConfig(out=os.path.abspath(opts.out), groups=opts.groups, faults=opts.faults, seed=opts.seed,
                           duration=opts.duration, min_replicas=opts.min_replicas, interval=opts.interval,
                           timeout=opts.timeout, heartbeat_timeout_ms=opts.heartbeat_timeout_ms,
                           transport_delay_ms=opts.transport_delay_ms, transport_drop=opts.transport_drop,
-                          kinds=tuple(k.strip() for k in opts.kinds.split(",") if k.strip()),
+                          kinds=kinds, network=opts.network,
                           quiet_steps=opts.quiet_steps, cells=parse_matrix(opts.matrix), ledger=opts.ledger,
                           token=os.environ.get("FT_TOKEN") or None)
     except ValueError as exc:
         console.print(f"[red]ftl chaos: {exc}[/red]")
         return 2
+    if opts.network:
+        reason = network_unavailable()
+        if reason is not None:
+            console.print(f"[yellow]ftl chaos --network: skipped: {reason}[/yellow]")
+            return EXIT_SKIPPED
 
     with StopSignals() as stop:  # Ctrl-C ends the run early, still with a verdict and no process left
         summary = ChaosRun(cfg, console=console, stop=stop.event).run()

@@ -16,6 +16,7 @@ Table-tested in tests/chaos/test_chaos.py; nothing here touches processes or the
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -332,3 +333,107 @@ def heal_fault_outcomes(faults: list[dict[str, Any]], incarnations: list[Incarna
                                                                                      "receiver_gone")
         outcomes[kind][label] = outcomes[kind].get(label, 0) + 1
     return outcomes
+
+
+def membership_changes(incarnations: list[Incarnation]) -> int:
+    """How many times the quorum's members (replica ids: a restarted group has a new one) changed from one
+    quorum id to the next, over the quorums any worker logged."""
+    members: dict[int, frozenset[str]] = {}
+    for inc in incarnations:
+        for rec in inc.of_kind("event"):
+            event = rec["event"]
+            if event.get("type") == "quorum" and event.get("quorum_id") is not None and event.get("replica_ids"):
+                members.setdefault(int(event["quorum_id"]), frozenset(str(r) for r in event["replica_ids"]))
+    sets = [members[q] for q in sorted(members)]
+    return sum(1 for before, after in itertools.pairwise(sets) if before != after)
+
+
+def _commits(incarnations: list[Incarnation], group: str | None, after: float, before: float) -> set[int]:
+    """Steps that `group` (any group: None) committed with a record time strictly inside (after, before)."""
+    return {int(r["step"]) for inc in incarnations if group is None or inc.group == group
+            for r in inc.steps if after < float(r["time"]) < before}
+
+
+def _healed_after(incarnations: list[Incarnation], group: str, after: float) -> bool:
+    return any(r["event"].get("type") == "heal" and float(r["time"]) > after
+               for inc in incarnations if inc.group == group for r in inc.of_kind("event"))
+
+
+def network_fault_outcomes(incarnations: list[Incarnation], faults: list[dict[str, Any]],
+                           graces: dict[str, float]) -> list[dict[str, Any]]:
+    """What each network fault of a --network run did, and the promises it broke ("problems").
+
+    A fault's promise is checked from `graces[kind]` seconds after it started (a step in flight at the
+    cut ends within the collective timeout; a lighthouse failover takes the heartbeat timeout more)
+    until it was lifted:
+    - host_cut of group g: g commits nothing (it can reach no one); afterwards it commits again;
+    - partition of groups a and b: a and b never commit the same step (no quorum can hold both: they
+      cannot reach each other); afterwards both commit again;
+    - lighthouse_cut: steps keep committing (through the other lighthouse).
+    """
+    outcomes = []
+    for fault in faults:
+        kind, start = fault["kind"], float(fault["time"])
+        end = float(fault["end"]) if fault.get("end") is not None else start
+        checked_from = start + graces.get(kind, 0.0)
+        where = f"fault {fault['index']} ({kind} {fault['target']}, {end - start:.1f}s)"
+        row: dict[str, Any] = {"index": fault["index"], "kind": kind, "target": fault["target"],
+                               "seconds": round(end - start, 1),
+                               "commits_during": len(_commits(incarnations, None, start, end)), "problems": []}
+        if kind == "host_cut":
+            g = str(fault["group"])
+            cut = _commits(incarnations, g, checked_from, end)
+            row.update(cut_commits=len(cut), rejoined=bool(_commits(incarnations, g, end, float("inf"))),
+                       healed=_healed_after(incarnations, g, start))
+            if cut:
+                row["problems"].append(f"network: group {g} committed step(s) {format_steps(sorted(cut))} while its "
+                                       f"host was cut off, {where}")
+        elif kind == "partition":
+            a, b = (str(x) for x in fault["pair"])
+            steps = {g: _commits(incarnations, g, checked_from, end) for g in (a, b)}
+            together = steps[a] & steps[b]
+            fewer = sorted((a, b), key=lambda g: len(steps[g]))
+            row.update(pair_commits=len(together), rejoined=all(_commits(incarnations, g, end, float("inf"))
+                                                                for g in (a, b)),
+                       excluded=fewer[0] if len(steps[fewer[0]]) < len(steps[fewer[1]]) else None)
+            if together:
+                row["problems"].append(f"network: groups {a} and {b} committed step(s) {format_steps(sorted(together))}"
+                                       f" together while they could not reach each other, {where}")
+        elif kind == "lighthouse_cut":
+            during = _commits(incarnations, None, checked_from, end)
+            row["commits_after_failover"] = len(during)
+            if checked_from < end and not during:
+                row["problems"].append(f"network: no step committed from {checked_from - start:.1f}s after the cut "
+                                       f"until the link came back, {where}: the groups did not go on through the "
+                                       f"other lighthouse")
+        if kind in ("host_cut", "partition") and not row["rejoined"]:
+            row["problems"].append(f"network: a group cut off by {where} never committed again afterwards")
+        outcomes.append(row)
+    return outcomes
+
+
+def quorum_regressions(incarnations: list[Incarnation]) -> list[dict[str, Any]]:
+    """Quorums issued at a max_step below a step already committed (by record time): the signature of a
+    forked history (a quorum of groups that lack the latest state while a group holding it was alive
+    but out of the quorum); each with its quorum id, time, max_step, the highest step committed before
+    and the replica ids. A diagnosis for divergent commits, not a check of its own."""
+    commits = sorted((float(r["time"]), int(r["step"])) for inc in incarnations for r in inc.steps)
+    quorums: dict[int, tuple[float, int, list[str]]] = {}
+    for inc in incarnations:
+        for rec in inc.of_kind("event"):
+            event = rec["event"]
+            if event.get("type") == "quorum" and event.get("quorum_id") is not None \
+                    and event.get("max_step") is not None:
+                seen = (float(rec["time"]), int(event["max_step"]), list(event.get("replica_ids") or []))
+                qid = int(event["quorum_id"])
+                if qid not in quorums or seen[0] < quorums[qid][0]:
+                    quorums[qid] = seen
+    found, highest, i = [], 0, 0
+    for qid, (t, max_step, ids) in sorted(quorums.items(), key=lambda item: item[1][0]):
+        while i < len(commits) and commits[i][0] < t:
+            highest = max(highest, commits[i][1])
+            i += 1
+        if max_step < highest:
+            found.append({"quorum_id": qid, "time": t, "max_step": max_step, "highest_committed": highest,
+                          "replica_ids": ids})
+    return found

@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 
 FAULT_KINDS = ("kill", "hang", "lighthouse", "kill_heal_source", "kill_heal_receiver")
 HEAL_KINDS = ("kill_heal_source", "kill_heal_receiver")
+# with --network (the groups and two lighthouses on simulated hosts, ft_core.tools.netns): a group's host
+# cut off, two groups blocked from each other (both still reach the lighthouse), a lighthouse's host cut off
+NETWORK_KINDS = ("host_cut", "partition", "lighthouse_cut")
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,8 @@ class ChaosConfig:
     kinds: tuple[str, ...] = FAULT_KINDS
     cells: tuple[int, ...] = tuple(range(len(MATRIX)))  # the matrix cells the seed chooses among
     ledger: bool = False  # data from the exactly-once DistributedSampler, ledger checked per epoch
+    network: bool = False  # groups and lighthouses (primary + standby) on simulated hosts; NETWORK_KINDS allowed
+    ordered: bool = False  # draw the kinds in the order given (each round), not shuffled
     dataset_size: int = 240
     token: str | None = field(default=None, repr=False)
 
@@ -123,12 +128,15 @@ class ChaosConfig:
         return cell_for(self.seed, self.cells)
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.kinds) - set(FAULT_KINDS))
+        unknown = sorted(set(self.kinds) - set(FAULT_KINDS) - set(NETWORK_KINDS))
+        needs_network = sorted(set(self.kinds) & set(NETWORK_KINDS)) if not self.network else []
         problems = [(self.groups >= 3, f"--groups must be >= 3 (got {self.groups})"),
                     (1 <= self.min_replicas < self.groups,
                      f"--min-replicas must be in 1..groups-1 (got {self.min_replicas} with {self.groups} groups)"),
                     (self.faults >= 0, f"--faults must be >= 0 (got {self.faults})"),
-                    (not unknown, f"unknown fault kinds {unknown}; choose from {', '.join(FAULT_KINDS)}"),
+                    (not unknown, (f"unknown fault kinds {unknown}; choose from "
+                                   f"{', '.join(FAULT_KINDS + NETWORK_KINDS)}")),
+                    (not needs_network, f"fault kinds {needs_network} need --network (simulated hosts)"),
                     (bool(self.kinds), "at least one fault kind is needed"),
                     (bool(self.cells) and all(0 <= c < len(MATRIX) for c in self.cells),
                      f"cells must be among 0..{len(MATRIX) - 1} (got {self.cells})")]

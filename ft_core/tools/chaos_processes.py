@@ -7,17 +7,20 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from ft_core.tools.launcher import free_port
 
 
 class LighthouseProcess:
-    """`ftl lighthouse` as a child process in its own session: killed and restarted on one port."""
+    """`ftl lighthouse` as a child process in its own session: killed and restarted on one port. With
+    `host` (an address) and `prefix` (`ip netns exec NAME`), it runs on a simulated host at that address."""
 
-    def __init__(self, cfg: Any, log_path: str) -> None:
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
+    def __init__(self, cfg: Any, log_path: str, *, host: str = "127.0.0.1", prefix: Sequence[str] = ()) -> None:
+        self.port = free_port()  # any port is free in a simulated host's own namespace too
+        self.address = f"{host}:{self.port}"
+        self._prefix = list(prefix)
         self._cfg = cfg
         self._log_path = log_path
         self.proc: subprocess.Popen | None = None
@@ -26,7 +29,7 @@ class LighthouseProcess:
 
     def start(self) -> None:
         cfg = self._cfg
-        argv = [sys.executable, "-m", "ft_core", "lighthouse", "--bind", self.address, "--http-bind", "off",
+        argv = [*self._prefix, sys.executable, "-m", "ft_core", "lighthouse", "--bind", self.address, "--http-bind", "off",
                 "--min-replicas", str(cfg.min_replicas), "--join-timeout-ms", str(cfg.join_timeout_ms),
                 "--heartbeat-timeout-ms", str(cfg.heartbeat_timeout_ms), "--log-level", "WARNING"]
         env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -60,6 +60,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ReduceOp
 
+from ft_core import net, settings
 from ft_core.checkpointing import HTTPTransport
 from ft_core.data import DistributedSampler
 from ft_core.ddp import DistributedDataParallel
@@ -91,7 +92,7 @@ class EventRecorder(logging.Handler):
     """Copies the Manager's `ft_core.events` records into the log and keeps the latest quorum."""
 
     def __init__(self, log: RecordLog) -> None:
-        super().__init__(level=logging.INFO)
+        super().__init__(level=logging.DEBUG)  # every event: routine ones (a quorum that changed nothing) are DEBUG
         self._log = log
         self.last_quorum: dict[str, Any] = {}
 
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     log = RecordLog(os.path.join(args.out, f"g{group}.r{rank}.i{incarnation}.jsonl"))
     recorder = EventRecorder(log)
     events = logging.getLogger("ft_core.events")
-    events.setLevel(logging.INFO)
+    events.setLevel(logging.DEBUG)
     events.propagate = False  # recorded in the JSON log only
     events.addHandler(recorder)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -316,9 +317,13 @@ def main(argv: list[str] | None = None) -> int:
     if world_size > 1 and rank == 0:  # what torchrun's agent does: host the group's TCPStore at MASTER_PORT
         group_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=True,
                                     wait_for_workers=False, timeout=timedelta(seconds=args.connect_timeout))
+    # the checkpoint server advertises and binds what the Manager's own servers do (FT_HOST, else the route
+    # toward the lighthouse: loopback on one machine, the host's address on simulated hosts)
+    host = net.advertised_host(settings.value("FT_HOST"), settings.value("FT_LIGHTHOUSE"))
     transport = ChaosHTTPTransport(log, delay_ms=args.transport_delay_ms, drop=args.transport_drop,
                                    seed=zlib.crc32(f"{args.seed}/{group}/{incarnation}/{rank}".encode()),
-                                   recv_fail=args.recv_fail_prob, timeout=timeout, num_chunks=0)
+                                   recv_fail=args.recv_fail_prob, timeout=timeout, num_chunks=0, hostname=host,
+                                   bind=net.format_host_port(net.bind_host(host, settings.value("FT_BIND_ALL")), 0))
     manager = Manager(ProcessGroupGloo(timeout=timeout), load_state_dict=load, state_dict=save,
                       min_replica_size=args.min_replicas, use_async_quorum=not args.sync, init_sync=args.init_sync,
                       timeout=timeout, quorum_timeout=timedelta(seconds=args.quorum_timeout),

@@ -7,7 +7,8 @@ by another process, which makes every signal we send land on our own processes.
 
 A group that crashes on its own (not killed by us) restarts with exponential backoff and is given up
 on (lost, naming its last output) after `max_restarts` crashes, so a script that always fails does
-not restart forever.
+not restart forever. A group whose rank died of `JobFinishedError` (the lighthouse refused it: the job
+had finished ahead of it) is lost at once, not restarted: a restart would be refused again.
 
 Used by `ftl launch` (ft_core/tools/launch_command.py), `ftl demo` and chaos runs.
 """
@@ -26,6 +27,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import IO, Any, Protocol
 
+from ft_core.errors import JobFinishedError
+
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
@@ -33,6 +36,7 @@ DEFAULT_RES_OPTIONS = "timeout:1 attempts:1"
 DEFAULT_MAX_RESTARTS = 10  # crashes of one group before it is given up on (kills by the launcher do not count)
 MAX_RESTART_DELAY_S = 30.0
 STABLE_RUN_S = 30.0  # an incarnation that ran this long before crashing starts the backoff over
+_REFUSED = f"{JobFinishedError.__name__}: "  # how the engine's "the job finished ahead of you" ends a script
 
 
 class FailureSource(Protocol):
@@ -99,6 +103,7 @@ class _Group:
     crash_streak: int = 0  # crashes in a row, each soon after its start (drives the backoff)
     started_at: float = 0.0
     last_line: str = ""  # the last non-empty line the group printed (for "died" details)
+    refusal: str = ""  # the JobFinishedError line a rank printed: the job finished ahead of this incarnation
     detail: str = ""
 
 
@@ -281,6 +286,7 @@ class Launcher:
             g.state = GroupState.RUNNING
             g.detail = ""
             g.last_line = ""
+            g.refusal = ""
             g.started_at = time.monotonic()
             try:
                 for rank in range(self.nproc_per_group):
@@ -414,6 +420,8 @@ class Launcher:
                 text = raw.decode("utf-8", "replace").strip()
                 if text:
                     self._groups[group].last_line = text
+                    if _REFUSED in text:
+                        self._groups[group].refusal = text
                 try:
                     self.on_output(group, rank, raw.decode("utf-8", "replace").rstrip("\r\n"))
                 except Exception:  # a broken display must not stop the drain (the child would block)
@@ -431,6 +439,14 @@ class Launcher:
             if last and code is not None and code > 0:
                 what += f" (last output: {last[:300]})"
             self._emit("died", g, what)
+            refusal = self._refusal(g, rank)
+            if refusal:  # restarting it would be refused again: the job is over
+                g.deaths += 1
+                g.crashes += 1
+                g.state = GroupState.LOST
+                g.detail = f"refused, not restarted: {refusal}"
+                self._emit("lost", g, g.detail)
+                return
             self._after_death(g, what, crashed=True)
         elif all(c == 0 for c in codes):
             self._end_incarnation(g, signal.SIGKILL)  # also ends anything the ranks left behind
@@ -450,6 +466,20 @@ class Launcher:
         except OSError:
             return ""
         return lines[-1] if lines and not lines[-1].startswith("=====") else ""
+
+    def _refusal(self, g: _Group, rank: int) -> str:
+        """The JobFinishedError a crashed rank printed (from its log's tail, else from its output), without the type."""
+        text = g.refusal
+        path = self.log_path(g.index, rank)
+        if path:
+            try:
+                with open(path, "rb") as f:
+                    f.seek(max(0, os.path.getsize(path) - 16384))
+                    text = next((line for line in reversed(f.read().decode("utf-8", "replace").splitlines())
+                                 if _REFUSED in line), "")
+            except OSError:
+                text = ""
+        return text.split(_REFUSED, 1)[1].strip() if _REFUSED in text else ""
 
     def _after_death(self, g: _Group, what: str, crashed: bool) -> None:
         g.deaths += 1

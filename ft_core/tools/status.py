@@ -139,6 +139,15 @@ def render_plain(status: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def finished_line(status: dict[str, Any]) -> str | None:
+    """The groups that ended their training (a group joining later behind them is refused), or None."""
+    done = status.get("finished") or []
+    if not done:
+        return None
+    return "finished: " + ", ".join(f"{f['replica_id']} at step {f['step']}" for f in done) + \
+        " (a group joining behind that step with no live peer there is refused)"
+
+
 def main(argv: list[str]) -> int:
     from rich.console import Console
 
@@ -162,7 +171,11 @@ def main(argv: list[str]) -> int:
     if not console.is_terminal:  # piped: nothing truncated or wrapped
         print(render_plain(status))
         print(f"next quorum: {status['reason']}")
+        if finished_line(status):
+            print(finished_line(status))
         return 0
     console.print(render(status))
     console.print(f"next quorum: {status['reason']}", markup=False)
+    if finished_line(status):
+        console.print(finished_line(status), markup=False)
     return 0

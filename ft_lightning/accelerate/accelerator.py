@@ -28,11 +28,14 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
 from ft_core import ddp
+from ft_core.data import DistributedSampler as ExactlyOnceSampler
 from ft_core.data import global_shard
-from ft_core.errors import ConfigError
+from ft_core.errors import ConfigError, FTError, JobFinishedError
+from ft_lightning import _data
 from ft_lightning._events import attach_console
 from ft_core.manager import Manager, WorldSizeMode
 from ft_core.process_groups import ProcessGroupDelegate, ProcessGroupGloo, ProcessGroupNCCL
+from ft_lightning.accelerate.data import ExactlyOnceLoader, final_checkpoint, read_state, write_state
 from ft_lightning.accelerate.plugin import FaultTolerancePlugin
 from ft_lightning.accelerate.state import (
     EpochAlignedLoader,
@@ -111,7 +114,9 @@ class FaultTolerantAccelerator(Accelerator):
                               f"(single process, multi-CPU, multi-GPU); {self.distributed_type} is not supported: "
                               f"launch without FSDP/DeepSpeed/Megatron/XLA")
         self._ft_window = _Window()
-        self._ft_loaders: list[EpochAlignedLoader] = []
+        self._ft_loaders: list[EpochAlignedLoader | ExactlyOnceLoader] = []
+        self._ft_warned: set[str] = set()
+        self._ft_first_window = True
         self._ft_counts = {"model": 0, "optimizer": 0, "scheduler": 0, "commits": 0, "skipped": 0}
         self._ft_final_step = 0
         logger.info("replica group %s, group rank %d/%d: %s", self.ft.replica_group_id, self.process_index,
@@ -124,6 +129,8 @@ class FaultTolerantAccelerator(Accelerator):
         self.ft_manager.register_state_dict_fn("rng", load_rng_state, lambda: self._ft_rng_at_window_start)
         if self.scaler is not None:
             self.ft_manager.register_state_dict_fn("scaler", self.scaler.load_state_dict, self.scaler.state_dict)
+        # accelerator.save_state / load_state carry the step and the data position too (data.py).
+        self.register_load_state_pre_hook(self._ft_load_state_hook)
 
     # --- construction -------------------------------------------------------------------------------------
 
@@ -190,6 +197,52 @@ class FaultTolerantAccelerator(Accelerator):
             loader.on_step_start()
         self.ft_manager.start_quorum()
         self._ft_window = _Window(quorum_started=True)
+        if self._ft_first_window:
+            self._ft_first_window = False
+            self._ft_check_job_not_finished()
+
+    # --- a group that comes back after the job finished ---------------------------------------------------
+
+    def _ft_checkpoint_root(self) -> str | None:
+        """Where the job's save_state folders are: FT_CHECKPOINT_DIR, else Accelerate's automatic naming."""
+        if self.ft.checkpoint_dir:
+            return self.ft.checkpoint_dir
+        if self.project_configuration.automatic_checkpoint_naming and self.project_dir:
+            return os.path.join(self.project_dir, "checkpoints")
+        return None
+
+    def _ft_check_job_not_finished(self) -> None:
+        """The first quorum, awaited when a checkpoint folder is configured: a job that finished ahead of
+        this group with nobody live to heal from (the engine's JobFinishedError) is resumed from its
+        checkpoint at the final step instead of being retrained alone; with none, the error ends the run."""
+        if self._ft_checkpoint_root() is None:
+            return  # the JobFinishedError reaches the script from the step (should_commit), with the engine's advice
+        try:
+            self.ft_manager.wait_quorum()
+        except JobFinishedError as exc:
+            self._ft_resume_finished_job(exc)
+        except Exception:  # noqa: BLE001 (any other quorum error is the step's, raised where it always is)
+            return
+
+    def _ft_resume_finished_job(self, exc: JobFinishedError) -> None:
+        root = self._ft_checkpoint_root()
+        final = exc.finished_step if exc.finished_step is not None else 0
+        found = final_checkpoint(root, final) if root else None
+        if found is None:
+            raise JobFinishedError(f"{exc}. {root} holds no accelerator.save_state checkpoint at step {final} or "
+                                   f"later, so this group stops instead of retraining alone; save_state at the end "
+                                   f"of training (into FT_CHECKPOINT_DIR) to let a late group resume",
+                                   code=exc.code, finished_step=exc.finished_step, step=exc.step,
+                                   finished_groups=exc.finished_groups) from exc
+        folder, step = found
+        logger.warning("replica group %s: the job finished at step %d while this group was at step %s; resuming "
+                       "from its checkpoint %s (step %d) instead of retraining alone", self.ft.replica_group_id,
+                       final, exc.step, folder, step)
+        self.load_state(folder)
+        self.ft_manager.start_quorum()  # at the job's final step now: admitted
+        # The batch in hand was drawn before the resume: this step trains nothing.
+        self.ft_manager.report_error(FTError(f"resumed from {folder} at step {step}: the step in flight was "
+                                             f"started before the resume and does not commit"))
 
     def ft_should_commit(self) -> bool:
         """The window's commit vote, taken once (at the first gated optimizer step) and then reused."""
@@ -217,7 +270,19 @@ class FaultTolerantAccelerator(Accelerator):
         in between) starts the next step, so its gradients are reduced and voted on in a step of their own."""
         if self.ft_manager is not None and self._ft_window.committed is not None:
             self.ft_start_step()
-        super().backward(loss, **kwargs)
+        weight = self._ft_loss_weight()
+        super().backward(loss if weight == 1.0 else loss * weight, **kwargs)
+
+    def _ft_loss_weight(self) -> float:
+        """The exactly-once loaders' verdict on this step's batch: 0.0 when it is not the step's assignment
+        (a prediction the quorum proved wrong), so it trains nothing; else 1.0."""
+        weight = 1.0
+        for loader in self._ft_loaders:
+            if isinstance(loader, ExactlyOnceLoader) and loader.active and self.ft_manager is not None:
+                if not self._ft_window.quorum_started:
+                    self.ft_start_step()
+                weight *= loader.weigh()
+        return weight
 
     def _on_training_forward(self, module: torch.nn.Module, args: Any) -> None:
         if module.training and torch.is_grad_enabled():
@@ -299,12 +364,23 @@ class FaultTolerantAccelerator(Accelerator):
     def prepare_data_loader(self, data_loader: torch.utils.data.DataLoader, device_placement: bool | None = None,
                             slice_fn_for_dispatch: Any = None) -> Any:
         """Shard across every process of every replica group: process g*W + r of G*W. The result keeps a
-        plain `for epoch in range(N)` loop on the job's position after a heal (`EpochAlignedLoader`)."""
-        if isinstance(data_loader, EpochAlignedLoader):
+        plain `for epoch in range(N)` loop on the job's position after a heal (`EpochAlignedLoader`).
+        With exactly-once data, training passes read the exactly-once sampler instead (`ExactlyOnceLoader`)."""
+        if isinstance(data_loader, (EpochAlignedLoader, ExactlyOnceLoader)):
             return data_loader
+        static = self._ft_static_shard(data_loader, device_placement, slice_fn_for_dispatch)
+        if self.ft.exactly_once or self.ft.global_batch_size is not None:
+            why = _data.exactly_once_unsupported(data_loader)
+            if why is None:
+                return self._ft_exactly_once(data_loader, static, device_placement)
+            self._ft_warn_once("unsupported", "ft_lightning: exactly-once data is off for a prepared loader: %s", why)
+        return self._ft_aligned(static)
+
+    def _ft_static_shard(self, data_loader: torch.utils.data.DataLoader, device_placement: bool | None,
+                         slice_fn_for_dispatch: Any) -> Any:
         if self.ft.num_replica_groups == 1 or getattr(data_loader, "_is_accelerate_prepared", False):
-            return self._ft_aligned(super().prepare_data_loader(data_loader, device_placement=device_placement,
-                                                                slice_fn_for_dispatch=slice_fn_for_dispatch))
+            return super().prepare_data_loader(data_loader, device_placement=device_placement,
+                                               slice_fn_for_dispatch=slice_fn_for_dispatch)
         if self.dispatch_batches:
             raise ConfigError("dispatch_batches=True (one process loads and sends batches) cannot shard across "
                               "replica groups; use DataLoaderConfiguration(dispatch_batches=False)")
@@ -320,7 +396,7 @@ class FaultTolerantAccelerator(Accelerator):
             non_blocking=self.non_blocking, use_stateful_dataloader=self.use_stateful_dataloader,
             torch_device_mesh=self._prepare_device_mesh())
         self._dataloaders.append(prepared)
-        return self._ft_aligned(prepared)
+        return prepared
 
     def _ft_aligned(self, prepared: Any) -> EpochAlignedLoader:
         loader = EpochAlignedLoader(prepared)
@@ -328,6 +404,93 @@ class FaultTolerantAccelerator(Accelerator):
                                                loader.state_dict)
         self._ft_loaders.append(loader)
         return loader
+
+    def _ft_exactly_once(self, data_loader: torch.utils.data.DataLoader, static: Any,
+                         device_placement: bool | None) -> ExactlyOnceLoader:
+        """The training loader over the exactly-once sampler (ft_core.data), its position registered with
+        the Manager; `static` serves evaluation passes."""
+        if self.gradient_accumulation_steps != 1:
+            raise ConfigError(f"exactly-once data assigns one batch per optimizer step, but "
+                              f"gradient_accumulation_steps={self.gradient_accumulation_steps}; use 1 with a larger "
+                              f"batch_size (or global_batch_size=), or exactly_once=False")
+        if type(self).ft_start_step is not FaultTolerantAccelerator.ft_start_step:
+            raise ConfigError(f"exactly-once data checks every optimizer step's batch in that step's quorum; "
+                              f"{type(self).__name__} has no quorum per step (DiLoCo meets every sync_every steps): "
+                              f"use exactly_once=False with it")
+        if self.split_batches:
+            raise ConfigError("exactly-once data assigns each process its own samples; split_batches=True is not "
+                              "supported with it (leave split_batches=False, or use exactly_once=False)")
+        index = len(self._ft_loaders)
+        gbs = self.ft.global_batch_size
+        seed = self.dataloader_config.data_seed
+        sampler = ExactlyOnceSampler(
+            data_loader.dataset, replica_group_id=self.ft.replica_group_id,
+            num_replica_groups=self.ft.num_replica_groups, group_rank=self.process_index,
+            num_replicas=self.num_processes, shuffle=isinstance(data_loader.sampler, torch.utils.data.RandomSampler),
+            seed=0 if seed is None else int(seed), manager=self.ft_manager,
+            batch_size=None if gbs is not None else data_loader.batch_size, global_batch_size=gbs,
+            state_key="data" if index == 0 else f"data_{index}")
+        if device_placement is None:
+            device_placement = self.device_placement
+        exact = prepare_data_loader(
+            _data.exactly_once_loader(data_loader, sampler), self.device, num_processes=1, process_index=0,
+            put_on_device=device_placement, rng_types=None, dispatch_batches=False, even_batches=False,
+            non_blocking=self.non_blocking)
+        loader = ExactlyOnceLoader(exact, static, sampler, self._ft_training_pass, self.ft.num_replica_groups)
+        self.ft_manager.register_state_dict_fn(f"loader_{index}", loader.load_state_dict, loader.state_dict)
+        self._ft_loaders.append(loader)
+        logger.info("exactly-once training data: %d samples, %s per step, seed %d", len(data_loader.dataset),
+                    f"{gbs} samples" if gbs is not None else f"batch {data_loader.batch_size} per process",
+                    sampler.seed)
+        return loader
+
+    def _ft_training_pass(self) -> bool:
+        """A loader pass trains unless every prepared model is in eval mode."""
+        return not self._models or any(m.training for m in self._models)
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """Accelerate's, except for an exactly-once loader: its position is the sampler's (healed, and
+        restored by load_state), so nothing is skipped."""
+        if isinstance(dataloader, ExactlyOnceLoader):
+            self._ft_warn_once("skip", "ft_lightning: skip_first_batches(%d) ignored for an exactly-once loader: "
+                                       "load_state restored its data position already", num_batches)
+            return dataloader
+        return super().skip_first_batches(dataloader, num_batches)
+
+    def _ft_warn_once(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._ft_warned:
+            self._ft_warned.add(key)
+            logger.warning(message, *args)
+
+    # --- durable checkpoints: save_state / load_state -----------------------------------------------------
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
+        """Accelerate's save_state, then (last, so its presence marks a complete checkpoint) this process's
+        fault-tolerance state: the Manager's step and batches committed, and each prepared loader's position."""
+        location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        if self.ft_manager is not None:
+            path = write_state(location, self.process_index, {
+                "replica_group_id": self.ft.replica_group_id, "manager": dict(self.ft_manager.state_dict()),
+                "loaders": [loader.checkpoint_state() for loader in self._ft_loaders]})
+            logger.info("fault-tolerance state at step %d written to %s", self.ft_step, path)
+        return location
+
+    def _ft_load_state_hook(self, models: Any, input_dir: str) -> None:
+        if self.ft_manager is None:
+            return
+        state = read_state(input_dir, self.process_index)
+        if state is None:
+            logger.warning("%s holds no fault-tolerance state (written without it?): the step and the data "
+                           "position start from the beginning", input_dir)
+            return
+        saved = state.get("loaders", [])
+        if len(saved) != len(self._ft_loaders):
+            raise ConfigError(f"{input_dir} holds the position of {len(saved)} prepared loader(s), this script "
+                              f"prepared {len(self._ft_loaders)}; prepare the same loaders before load_state")
+        self.ft_manager.load_state_dict(state["manager"])
+        for loader, loader_state in zip(self._ft_loaders, saved):
+            loader.load_checkpoint_state(loader_state)
+        logger.info("resumed at step %d from %s", self.ft_step, input_dir)
 
     # --- healing of other state ---------------------------------------------------------------------------
 
@@ -352,7 +515,12 @@ class FaultTolerantAccelerator(Accelerator):
             manager.shutdown()
 
     def end_training(self) -> None:
-        """Accelerate's end of training, after stopping the Manager (it outlives no process group)."""
+        """Accelerate's end of training, after stopping the Manager (it outlives no process group). Training
+        ended normally: the lighthouse records this group's final step, so a group restarted later is not
+        admitted to retrain the job alone (it resumes from the final checkpoint or stops)."""
+        manager = self.ft_manager
+        if manager is not None:
+            manager.finish()
         self.ft_shutdown()
         super().end_training()
 

@@ -65,6 +65,9 @@ SETTINGS: tuple[Setting, ...] = tuple(Setting(name, ft_settings.get(env)) for na
     ("async_quorum", "FT_ASYNC_QUORUM"),
     ("token", "FT_TOKEN"),
     ("host", "FT_HOST"),
+    ("exactly_once", "FT_EXACTLY_ONCE"),
+    ("global_batch_size", "FT_GLOBAL_BATCH_SIZE"),
+    ("checkpoint_dir", "FT_CHECKPOINT_DIR"),
 ))
 SETTINGS_BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
 # Old names kept for one release (ft-lightning 0.1 called the group index `replica_id`; a group's name is
@@ -158,6 +161,8 @@ def validate_settings(values: Mapping[str, Any]) -> None:
                           f"{groups}, got {group}; give each `accelerate launch` its own index")
     if values["min_replica_size"] < 1:
         raise ConfigError(f"min_replica_size (FT_MIN_REPLICA_SIZE) must be >= 1, got {values['min_replica_size']}")
+    if values.get("global_batch_size") is not None and values["global_batch_size"] < 1:
+        raise ConfigError(f"global_batch_size (FT_GLOBAL_BATCH_SIZE) must be >= 1, got {values['global_batch_size']}")
 
 
 @dataclass(frozen=True)
@@ -166,9 +171,13 @@ class FaultTolerancePlugin:
 
     Environment variables: FT_LIGHTHOUSE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, FT_MIN_REPLICA_SIZE,
     FT_TIMEOUT_SEC, FT_QUORUM_TIMEOUT_SEC, FT_CONNECT_TIMEOUT_SEC, FT_WORLD_SIZE_MODE, FT_BACKEND,
-    FT_ASYNC_QUORUM, FT_TOKEN, FT_HOST (a set variable overrides the argument). Frozen once resolved.
+    FT_ASYNC_QUORUM, FT_TOKEN, FT_HOST, FT_EXACTLY_ONCE, FT_GLOBAL_BATCH_SIZE, FT_CHECKPOINT_DIR (a set
+    variable overrides the argument). Frozen once resolved.
     `host` is the address or name this group advertises (default: this machine's address on the route
     toward the lighthouse, so groups on other machines need no setting).
+    `exactly_once` gives prepared training loaders the exactly-once sampler (docs/data.md); `global_batch_size`
+    (samples per committed step whatever the number of participants) implies it. `checkpoint_dir` is where
+    the job's `save_state` folders are: a group that finds the job finished resumes from there.
     `replica_id=<int>` is a deprecated alias of `replica_group_id` (the group's index).
     """
 
@@ -184,6 +193,9 @@ class FaultTolerancePlugin:
     async_quorum: bool | None = None
     token: str | None = field(default=None, repr=False)
     host: str | None = None
+    exactly_once: bool | None = None
+    global_batch_size: int | None = None
+    checkpoint_dir: str | None = None
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
     replica_id: InitVar[int | None] = None  # deprecated: replica_group_id
 

@@ -149,6 +149,21 @@ class EpochAlignedLoader:
         if target != (self.passes, self.batch):
             self._target = target
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        """For `accelerator.save_state`: the pass and batch the next step starts at."""
+        return {"kind": "epoch_aligned", "passes": self.passes, "batch": self.batch}
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Resume at the saved pass and batch (from `accelerator.load_state`, before the loop): the passes
+        before it are empty and schedulers do not step for them (the loaded schedule holds their steps)."""
+        if state.get("kind") != "epoch_aligned":
+            raise ConfigError(f"the checkpoint holds a {state.get('kind')} loader position where this script "
+                              f"prepared a static-shard loader; use the same exactly_once setting as when saving")
+        target = (int(state["passes"]), int(state["batch"]))
+        if target != (self.passes, self.batch):
+            self._target = target
+            self._cut = target[0] > self.passes
+
     def __iter__(self) -> Any:
         inner = self._ft_inner
         target = self._target

@@ -10,6 +10,7 @@ only with FT_RUN_SLOW=1. The rules themselves are table-tested here too.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -19,7 +20,7 @@ import time
 
 import pytest
 
-from ft_core.tools.chaos import FAULT_KINDS, ChaosConfig, ChaosRun
+from ft_core.tools.chaos import FAULT_KINDS, NETWORK_KINDS, ChaosConfig, ChaosRun
 from ft_core.tools.chaos_checks import (
     UNDER_REPLICATED,
     Incarnation,
@@ -33,11 +34,16 @@ from ft_core.tools.chaos_checks import (
     divergent_commits,
     format_steps,
     heal_fault_outcomes,
+    membership_changes,
+    network_fault_outcomes,
     parse_log_name,
 )
 from ft_core.tools.chaos_matrix import MATRIX, cell_for, parse_matrix
+from ft_core.tools.chaos_network import network_unavailable
 from ft_core.tools.chaos_processes import leftovers
+from ft_core.tools.chaos_report import ledger_lines
 from ft_core.tools.chaos_worker import expected_reductions, extreme_value
+from ft_core.tools.netns import Namespaces, NetnsError
 
 
 def step(n: int, digest: str = "d", participants: int = 2, t: float = 0.0) -> dict:
@@ -175,6 +181,62 @@ def test_format_steps_and_heal_outcomes():
                                                               "kill_heal_source": {"transfer_failed": 1}}
 
 
+def members(qid: int, *ids: str) -> dict:
+    return {"kind": "event", "event": {"type": "quorum", "quorum_id": qid, "replica_ids": list(ids)}}
+
+
+def test_membership_changes_count_quorums_whose_members_differ_from_the_previous_one():
+    incs = [inc("0", 0, members(1, "a", "b", "c"), members(2, "a", "b", "c"), members(3, "a", "c")),
+            inc("2", 0, members(3, "a", "c"), members(5, "a", "c", "b2"), members(6, "c", "b2", "a"))]
+    assert membership_changes(incs) == 2  # 2 -> 3 (b left), 3 -> 5 (b2 joined); 5 -> 6 is the same set
+
+
+def heal(t: float) -> dict:
+    return {"kind": "event", "time": t, "event": {"type": "heal"}}
+
+
+GRACES = {"host_cut": 2.0, "partition": 2.0, "lighthouse_cut": 5.0}
+
+
+@pytest.mark.parametrize("kind, where, records, problem", [
+    # host_cut of group 1 from t=10 to t=20: a commit logged 1 s after the cut is within the grace
+    ("host_cut", {"group": 1}, {"1": [step(5, t=11.0), heal(21.0), step(30, t=22.0)]}, None),
+    ("host_cut", {"group": 1}, {"1": [step(5, t=15.0), step(30, t=22.0)]}, "committed step(s) 5 while its host"),
+    ("host_cut", {"group": 1}, {"1": [step(5, t=9.0)]}, "never committed again"),
+    # partition of groups 0 and 1: each may commit with group 2, never the same step as the other
+    ("partition", {"pair": [0, 1]}, {"0": [step(6, t=13.0), step(7, t=14.0), step(40, t=21.0)],
+                                     "1": [step(40, t=21.5)]}, None),
+    ("partition", {"pair": [0, 1]}, {"0": [step(6, t=13.0), step(40, t=21.0)], "1": [step(6, t=13.1),
+                                                                                     step(40, t=21.5)]},
+     "committed step(s) 6 together"),
+    # lighthouse_cut: commits must go on after the failover grace
+    ("lighthouse_cut", {}, {"0": [step(8, t=16.0)], "1": [step(8, t=16.1)]}, None),
+    ("lighthouse_cut", {}, {"0": [step(8, t=12.0), step(9, t=21.0)]}, "did not go on through the other"),
+])
+def test_each_network_fault_keeps_its_promise(kind, where, records, problem):
+    fault = {"index": 1, "kind": kind, "target": "t", "time": 10.0, "end": 20.0, **where}
+    incs = [inc(g, 0, *recs) for g, recs in records.items()]
+    [outcome] = network_fault_outcomes(incs, [fault], GRACES)
+    if problem is None:
+        assert outcome["problems"] == [], outcome
+    else:
+        assert len(outcome["problems"]) == 1 and problem in outcome["problems"][0], outcome
+    if kind == "host_cut" and problem is None:
+        assert outcome["healed"] and outcome["rejoined"] and outcome["cut_commits"] == 0
+    if kind == "partition" and problem is None:
+        assert outcome["excluded"] == "1" and outcome["pair_commits"] == 0
+
+
+def test_the_ledger_is_reported_per_epoch():
+    clean = {"steps": 30, "lost": 0, "duplicated": 0, "conflicts": 0, "complete": True}
+    rows = {"0": clean, "1": dict(clean, steps=31), "2": dict(clean, lost=3), "3": clean,
+            "4": {"steps": 4, "lost": 0, "duplicated": 1, "conflicts": 0, "complete": False}}
+    assert ledger_lines(rows) == ["epochs 0..1: 30-31 steps each, lost 0, duplicated 0, conflicting steps 0",
+                                  "epoch 2: 30 steps, lost 3, duplicated 0, conflicting steps 0",
+                                  "epoch 3: 30 steps, lost 0, duplicated 0, conflicting steps 0",
+                                  "epoch 4: 4 steps, lost -, duplicated 1, conflicting steps 0 (incomplete)"]
+
+
 def test_log_tail_reads_whole_lines_only(tmp_path):
     path = tmp_path / "g0.i0.jsonl"
     tail = LogTail(str(path))
@@ -261,6 +323,71 @@ def test_bounded_chaos_run_keeps_every_promise(tmp_path):
         # (a skipped optimizer.step) does not stop its peers' commit; the commit is per group. Never divergent:
         # the fork is healed by the newer one (recovery plan), checked above.
         pytest.xfail(f"known: a step committed by fewer than min_replicas groups; {report[:1500]}")
+
+
+@pytest.mark.timeout(290)
+def test_bounded_network_chaos_run_keeps_every_promise(tmp_path):
+    """Each network fault once (a group's host cut off, two groups blocked from each other, a lighthouse's
+    host cut off with a standby lighthouse), on simulated hosts, in the day's matrix cell: the same
+    promises as above, and each fault's own (ft_core.tools.chaos_checks.network_fault_outcomes)."""
+    reason = network_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    # in this order: a host cut after a lighthouse failover can leave the cut group on the other lighthouse,
+    # alone (tests/chaos/test_found_by_chaos.py, gap 4); longer `ftl chaos --network` runs draw every order
+    cfg = dataclasses.replace(bounded_config(str(tmp_path), ci_seed()), network=True, kinds=NETWORK_KINDS,
+                              faults=len(NETWORK_KINDS), ordered=True)
+    run = ChaosRun(cfg)
+    summary = run.run()
+    report = f"seed {cfg.seed}, cell {cfg.cell.name} (rerun: ftl chaos --network --seed {cfg.seed}):\n" + \
+        json.dumps({k: v for k, v in summary.items() if k not in ("config", "faults")}, indent=1)[:6000]
+    assert not [name for name in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                                                timeout=20, check=False).stdout.split() if run.network.tag in name], report
+    assert summary["divergent_commits"] == 0 and summary["wrong_reductions"] == 0, report
+    outcomes = {o["kind"]: o for o in summary["network_faults"]}
+    assert all(o.get("cut_commits", 0) == 0 and o.get("pair_commits", 0) == 0 for o in outcomes.values()), report
+    others = [p for p in summary["problems"] if not p.startswith(UNDER_REPLICATED)]
+    if others and all(p.startswith(STRANDED_ON_A_LIGHTHOUSE) for p in others) and \
+            any(p.startswith(STRANDED_ON_A_LIGHTHOUSE[:2]) for p in others):
+        # gap 4 (docs/chaos.md): the cut group came back on the other lighthouse and waits there alone;
+        # nothing diverged (asserted above). Every other problem still fails the test.
+        pytest.xfail(f"known: after its host cut a group waits alone on the other lighthouse; {report[:1500]}")
+    assert not others, report
+    assert summary["faults_by_kind"] == {kind: 1 for kind in NETWORK_KINDS}, report
+    assert outcomes["host_cut"]["rejoined"], report
+    assert outcomes["host_cut"]["healed"], report  # the others went on while it was cut: it was behind
+    assert outcomes["partition"]["pair_commits"] == 0 and outcomes["partition"]["rejoined"], report
+    assert outcomes["lighthouse_cut"]["commits_after_failover"] > 0, report
+    assert summary["max_step"] >= summary["target_step"] > 0, report
+    assert summary["divergent_commits"] == 0 and summary["wedged_groups"] == 0 and summary["hangs"] == 0, report
+    if summary["problems"]:  # only under-replicated commits, as in the run above
+        pytest.xfail(f"known: a step committed by fewer than min_replicas groups; {report[:1500]}")
+
+
+# The problems a group stranded on the other lighthouse causes (gap 4), and their consequences for the run.
+STRANDED_ON_A_LIGHTHOUSE = ("network: a group cut off", "wedged: group", "training did not complete",
+                            "group 0 ended stopped", "group 1 ended stopped", "group 2 ended stopped")
+
+
+def test_simulated_hosts_leave_nothing_behind_also_when_making_them_fails():
+    reason = network_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    with Namespaces(["a", "b"], subnet="10.214.0") as hosts:
+        hosts.block(hosts["a"], hosts["b"])
+        hosts.cut(hosts["b"])
+    assert hosts.leftovers() == []
+    tag = "f" + os.urandom(2).hex()
+    with pytest.raises(NetnsError, match="addr add"):  # "10.214.255.25.2" is no address
+        Namespaces(["a", "b"], subnet="10.214.255.25", tag=tag)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20, check=False).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=20, check=False).stdout
+    assert tag not in listed and tag not in links
+
+
+def test_network_kinds_need_the_network_flag(tmp_path):
+    with pytest.raises(ValueError, match="need --network"):
+        ChaosConfig(out=str(tmp_path), kinds=("kill", "host_cut"))
 
 
 @pytest.mark.slow

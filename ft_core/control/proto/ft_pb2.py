@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x08\x66t.proto\x12\x03\x66tl\"\xef\x01\n\x0cQuorumMember\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\rstore_address\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x12\n\nworld_size\x18\x05 \x01(\x04\x12\x13\n\x0bshrink_only\x18\x06 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\t\x12\x17\n\x0f\x63ommit_failures\x18\x08 \x01(\x03\x12\x16\n\x0elast_quorum_id\x18\t \x01(\x03\x12\x13\n\x0bunreachable\x18\n \x03(\t\x12\x18\n\x10\x63ommit_quorum_id\x18\x0b \x01(\x03\"]\n\x06Quorum\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12\'\n\x0cparticipants\x18\x02 \x03(\x0b\x32\x11.ftl.QuorumMember\x12\x17\n\x0f\x63reated_unix_ms\x18\x03 \x01(\x03\"?\n\x17LighthouseQuorumRequest\x12$\n\trequester\x18\x01 \x01(\x0b\x32\x11.ftl.QuorumMember\"7\n\x18LighthouseQuorumResponse\x12\x1b\n\x06quorum\x18\x01 \x01(\x0b\x32\x0b.ftl.Quorum\"\x97\x01\n\x1aLighthouseHeartbeatRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07leaving\x18\x02 \x01(\x08\x12\x12\n\nrequest_id\x18\x03 \x01(\x04\x12,\n\x06quorum\x18\x04 \x01(\x0b\x32\x1c.ftl.LighthouseQuorumRequest\x12\x12\n\ntimeout_ms\x18\x05 \x01(\x03\"A\n\x08PeerLost\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x8f\x01\n\x1bLighthouseHeartbeatResponse\x12 \n\tpeer_lost\x18\x01 \x01(\x0b\x32\r.ftl.PeerLost\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\x12\x17\n\x0fquorum_response\x18\x03 \x01(\x0c\x12\x12\n\nerror_code\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"\xb0\x01\n\x14ManagerQuorumRequest\x12\x12\n\ngroup_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x1b\n\x13\x63heckpoint_metadata\x18\x03 \x01(\t\x12\x13\n\x0bshrink_only\x18\x04 \x01(\x08\x12\x11\n\tinit_sync\x18\x05 \x01(\x08\x12\x17\n\x0f\x63ommit_failures\x18\x06 \x01(\x03\x12\x18\n\x10\x63ommit_quorum_id\x18\x07 \x01(\x03\"\x99\x03\n\x15ManagerQuorumResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12#\n\x1brecover_src_manager_address\x18\x02 \x01(\t\x12%\n\x18recover_src_replica_rank\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12!\n\x19recover_dst_replica_ranks\x18\x04 \x03(\x03\x12\x15\n\rstore_address\x18\x05 \x01(\t\x12\x10\n\x08max_step\x18\x06 \x01(\x03\x12\x1d\n\x10max_replica_rank\x18\x07 \x01(\x03H\x01\x88\x01\x01\x12\x16\n\x0emax_world_size\x18\x08 \x01(\x03\x12\x14\n\x0creplica_rank\x18\t \x01(\x03\x12\x1a\n\x12replica_world_size\x18\n \x01(\x03\x12\x0c\n\x04heal\x18\x0b \x01(\x08\x12\x17\n\x0f\x63ommit_failures\x18\x0c \x01(\x03\x12\x13\n\x0breplica_ids\x18\r \x03(\tB\x1b\n\x19_recover_src_replica_rankB\x13\n\x11_max_replica_rank\"/\n\x19\x43heckpointMetadataRequest\x12\x12\n\ngroup_rank\x18\x01 \x01(\x03\"9\n\x1a\x43heckpointMetadataResponse\x12\x1b\n\x13\x63heckpoint_metadata\x18\x01 \x01(\t\"^\n\x13ShouldCommitRequest\x12\x15\n\rshould_commit\x18\x01 \x01(\x08\x12\x12\n\ngroup_rank\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0e\n\x06healed\x18\x04 \x01(\x08\"A\n\x14ShouldCommitResponse\x12\x15\n\rshould_commit\x18\x01 \x01(\x08\x12\x12\n\nall_healed\x18\x02 \x01(\x08\"\x1a\n\x0bKillRequest\x12\x0b\n\x03msg\x18\x01 \x01(\t\"\x0e\n\x0cKillResponse2\x84\x02\n\x11LighthouseService\x12\x45\n\x06Quorum\x12\x1c.ftl.LighthouseQuorumRequest\x1a\x1d.ftl.LighthouseQuorumResponse\x12N\n\tHeartbeat\x12\x1f.ftl.LighthouseHeartbeatRequest\x1a .ftl.LighthouseHeartbeatResponse\x12X\n\x0fHeartbeatStream\x12\x1f.ftl.LighthouseHeartbeatRequest\x1a .ftl.LighthouseHeartbeatResponse(\x01\x30\x01\x32\x9a\x02\n\x0eManagerService\x12?\n\x06Quorum\x12\x19.ftl.ManagerQuorumRequest\x1a\x1a.ftl.ManagerQuorumResponse\x12U\n\x12\x43heckpointMetadata\x12\x1e.ftl.CheckpointMetadataRequest\x1a\x1f.ftl.CheckpointMetadataResponse\x12\x43\n\x0cShouldCommit\x12\x18.ftl.ShouldCommitRequest\x1a\x19.ftl.ShouldCommitResponse\x12+\n\x04Kill\x12\x10.ftl.KillRequest\x1a\x11.ftl.KillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x08\x66t.proto\x12\x03\x66tl\"\xef\x01\n\x0cQuorumMember\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\rstore_address\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x12\n\nworld_size\x18\x05 \x01(\x04\x12\x13\n\x0bshrink_only\x18\x06 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\t\x12\x17\n\x0f\x63ommit_failures\x18\x08 \x01(\x03\x12\x16\n\x0elast_quorum_id\x18\t \x01(\x03\x12\x13\n\x0bunreachable\x18\n \x03(\t\x12\x18\n\x10\x63ommit_quorum_id\x18\x0b \x01(\x03\"]\n\x06Quorum\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12\'\n\x0cparticipants\x18\x02 \x03(\x0b\x32\x11.ftl.QuorumMember\x12\x17\n\x0f\x63reated_unix_ms\x18\x03 \x01(\x03\"?\n\x17LighthouseQuorumRequest\x12$\n\trequester\x18\x01 \x01(\x0b\x32\x11.ftl.QuorumMember\"7\n\x18LighthouseQuorumResponse\x12\x1b\n\x06quorum\x18\x01 \x01(\x0b\x32\x0b.ftl.Quorum\"\xf1\x01\n\x1aLighthouseHeartbeatRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07leaving\x18\x02 \x01(\x08\x12\x12\n\nrequest_id\x18\x03 \x01(\x04\x12,\n\x06quorum\x18\x04 \x01(\x0b\x32\x1c.ftl.LighthouseQuorumRequest\x12\x12\n\ntimeout_ms\x18\x05 \x01(\x03\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x15\n\rfinished_step\x18\x07 \x01(\x03\x12\x1a\n\x12\x66inished_quorum_id\x18\x08 \x01(\x03\x12\x13\n\x0bwant_status\x18\t \x01(\x08\"A\n\x08PeerLost\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xa6\x01\n\x1bLighthouseHeartbeatResponse\x12 \n\tpeer_lost\x18\x01 \x01(\x0b\x32\r.ftl.PeerLost\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\x12\x17\n\x0fquorum_response\x18\x03 \x01(\x0c\x12\x12\n\nerror_code\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x15\n\rquorum_status\x18\x06 \x01(\t\"\xb0\x01\n\x14ManagerQuorumRequest\x12\x12\n\ngroup_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x1b\n\x13\x63heckpoint_metadata\x18\x03 \x01(\t\x12\x13\n\x0bshrink_only\x18\x04 \x01(\x08\x12\x11\n\tinit_sync\x18\x05 \x01(\x08\x12\x17\n\x0f\x63ommit_failures\x18\x06 \x01(\x03\x12\x18\n\x10\x63ommit_quorum_id\x18\x07 \x01(\x03\"\x99\x03\n\x15ManagerQuorumResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12#\n\x1brecover_src_manager_address\x18\x02 \x01(\t\x12%\n\x18recover_src_replica_rank\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12!\n\x19recover_dst_replica_ranks\x18\x04 \x03(\x03\x12\x15\n\rstore_address\x18\x05 \x01(\t\x12\x10\n\x08max_step\x18\x06 \x01(\x03\x12\x1d\n\x10max_replica_rank\x18\x07 \x01(\x03H\x01\x88\x01\x01\x12\x16\n\x0emax_world_size\x18\x08 \x01(\x03\x12\x14\n\x0creplica_rank\x18\t \x01(\x03\x12\x1a\n\x12replica_world_size\x18\n \x01(\x03\x12\x0c\n\x04heal\x18\x0b \x01(\x08\x12\x17\n\x0f\x63ommit_failures\x18\x0c \x01(\x03\x12\x13\n\x0breplica_ids\x18\r \x03(\tB\x1b\n\x19_recover_src_replica_rankB\x13\n\x11_max_replica_rank\"/\n\x19\x43heckpointMetadataRequest\x12\x12\n\ngroup_rank\x18\x01 \x01(\x03\"9\n\x1a\x43heckpointMetadataResponse\x12\x1b\n\x13\x63heckpoint_metadata\x18\x01 \x01(\t\"p\n\x13ShouldCommitRequest\x12\x15\n\rshould_commit\x18\x01 \x01(\x08\x12\x12\n\ngroup_rank\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0e\n\x06healed\x18\x04 \x01(\x08\x12\x10\n\x08redoable\x18\x05 \x01(\x08\"W\n\x14ShouldCommitResponse\x12\x15\n\rshould_commit\x18\x01 \x01(\x08\x12\x12\n\nall_healed\x18\x02 \x01(\x08\x12\x14\n\x0c\x61ll_redoable\x18\x03 \x01(\x08\"\x1a\n\x0bKillRequest\x12\x0b\n\x03msg\x18\x01 \x01(\t\"\x0e\n\x0cKillResponse2\x84\x02\n\x11LighthouseService\x12\x45\n\x06Quorum\x12\x1c.ftl.LighthouseQuorumRequest\x1a\x1d.ftl.LighthouseQuorumResponse\x12N\n\tHeartbeat\x12\x1f.ftl.LighthouseHeartbeatRequest\x1a .ftl.LighthouseHeartbeatResponse\x12X\n\x0fHeartbeatStream\x12\x1f.ftl.LighthouseHeartbeatRequest\x1a .ftl.LighthouseHeartbeatResponse(\x01\x30\x01\x32\x9a\x02\n\x0eManagerService\x12?\n\x06Quorum\x12\x19.ftl.ManagerQuorumRequest\x1a\x1a.ftl.ManagerQuorumResponse\x12U\n\x12\x43heckpointMetadata\x12\x1e.ftl.CheckpointMetadataRequest\x1a\x1f.ftl.CheckpointMetadataResponse\x12\x43\n\x0cShouldCommit\x12\x18.ftl.ShouldCommitRequest\x1a\x19.ftl.ShouldCommitResponse\x12+\n\x04Kill\x12\x10.ftl.KillRequest\x1a\x11.ftl.KillResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,29 +40,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LIGHTHOUSEQUORUMRESPONSE']._serialized_start=419
   _globals['_LIGHTHOUSEQUORUMRESPONSE']._serialized_end=474
   _globals['_LIGHTHOUSEHEARTBEATREQUEST']._serialized_start=477
-  _globals['_LIGHTHOUSEHEARTBEATREQUEST']._serialized_end=628
-  _globals['_PEERLOST']._serialized_start=630
-  _globals['_PEERLOST']._serialized_end=695
-  _globals['_LIGHTHOUSEHEARTBEATRESPONSE']._serialized_start=698
-  _globals['_LIGHTHOUSEHEARTBEATRESPONSE']._serialized_end=841
-  _globals['_MANAGERQUORUMREQUEST']._serialized_start=844
-  _globals['_MANAGERQUORUMREQUEST']._serialized_end=1020
-  _globals['_MANAGERQUORUMRESPONSE']._serialized_start=1023
-  _globals['_MANAGERQUORUMRESPONSE']._serialized_end=1432
-  _globals['_CHECKPOINTMETADATAREQUEST']._serialized_start=1434
-  _globals['_CHECKPOINTMETADATAREQUEST']._serialized_end=1481
-  _globals['_CHECKPOINTMETADATARESPONSE']._serialized_start=1483
-  _globals['_CHECKPOINTMETADATARESPONSE']._serialized_end=1540
-  _globals['_SHOULDCOMMITREQUEST']._serialized_start=1542
-  _globals['_SHOULDCOMMITREQUEST']._serialized_end=1636
-  _globals['_SHOULDCOMMITRESPONSE']._serialized_start=1638
-  _globals['_SHOULDCOMMITRESPONSE']._serialized_end=1703
-  _globals['_KILLREQUEST']._serialized_start=1705
-  _globals['_KILLREQUEST']._serialized_end=1731
-  _globals['_KILLRESPONSE']._serialized_start=1733
-  _globals['_KILLRESPONSE']._serialized_end=1747
-  _globals['_LIGHTHOUSESERVICE']._serialized_start=1750
-  _globals['_LIGHTHOUSESERVICE']._serialized_end=2010
-  _globals['_MANAGERSERVICE']._serialized_start=2013
-  _globals['_MANAGERSERVICE']._serialized_end=2295
+  _globals['_LIGHTHOUSEHEARTBEATREQUEST']._serialized_end=718
+  _globals['_PEERLOST']._serialized_start=720
+  _globals['_PEERLOST']._serialized_end=785
+  _globals['_LIGHTHOUSEHEARTBEATRESPONSE']._serialized_start=788
+  _globals['_LIGHTHOUSEHEARTBEATRESPONSE']._serialized_end=954
+  _globals['_MANAGERQUORUMREQUEST']._serialized_start=957
+  _globals['_MANAGERQUORUMREQUEST']._serialized_end=1133
+  _globals['_MANAGERQUORUMRESPONSE']._serialized_start=1136
+  _globals['_MANAGERQUORUMRESPONSE']._serialized_end=1545
+  _globals['_CHECKPOINTMETADATAREQUEST']._serialized_start=1547
+  _globals['_CHECKPOINTMETADATAREQUEST']._serialized_end=1594
+  _globals['_CHECKPOINTMETADATARESPONSE']._serialized_start=1596
+  _globals['_CHECKPOINTMETADATARESPONSE']._serialized_end=1653
+  _globals['_SHOULDCOMMITREQUEST']._serialized_start=1655
+  _globals['_SHOULDCOMMITREQUEST']._serialized_end=1767
+  _globals['_SHOULDCOMMITRESPONSE']._serialized_start=1769
+  _globals['_SHOULDCOMMITRESPONSE']._serialized_end=1856
+  _globals['_KILLREQUEST']._serialized_start=1858
+  _globals['_KILLREQUEST']._serialized_end=1884
+  _globals['_KILLRESPONSE']._serialized_start=1886
+  _globals['_KILLRESPONSE']._serialized_end=1900
+  _globals['_LIGHTHOUSESERVICE']._serialized_start=1903
+  _globals['_LIGHTHOUSESERVICE']._serialized_end=2163
+  _globals['_MANAGERSERVICE']._serialized_start=2166
+  _globals['_MANAGERSERVICE']._serialized_end=2448
 # @@protoc_insertion_point(module_scope)

@@ -55,18 +55,26 @@ class LighthouseQuorumResponse(_message.Message):
     def __init__(self, quorum: _Optional[_Union[Quorum, _Mapping]] = ...) -> None: ...
 
 class LighthouseHeartbeatRequest(_message.Message):
-    __slots__ = ("replica_id", "leaving", "request_id", "quorum", "timeout_ms")
+    __slots__ = ("replica_id", "leaving", "request_id", "quorum", "timeout_ms", "finished", "finished_step", "finished_quorum_id", "want_status")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     QUORUM_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_STEP_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
+    WANT_STATUS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     leaving: bool
     request_id: int
     quorum: LighthouseQuorumRequest
     timeout_ms: int
-    def __init__(self, replica_id: _Optional[str] = ..., leaving: _Optional[bool] = ..., request_id: _Optional[int] = ..., quorum: _Optional[_Union[LighthouseQuorumRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    finished: bool
+    finished_step: int
+    finished_quorum_id: int
+    want_status: bool
+    def __init__(self, replica_id: _Optional[str] = ..., leaving: _Optional[bool] = ..., request_id: _Optional[int] = ..., quorum: _Optional[_Union[LighthouseQuorumRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., finished: _Optional[bool] = ..., finished_step: _Optional[int] = ..., finished_quorum_id: _Optional[int] = ..., want_status: _Optional[bool] = ...) -> None: ...
 
 class PeerLost(_message.Message):
     __slots__ = ("quorum_id", "replica_id", "reason")
@@ -79,18 +87,20 @@ class PeerLost(_message.Message):
     def __init__(self, quorum_id: _Optional[int] = ..., replica_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class LighthouseHeartbeatResponse(_message.Message):
-    __slots__ = ("peer_lost", "request_id", "quorum_response", "error_code", "error")
+    __slots__ = ("peer_lost", "request_id", "quorum_response", "error_code", "error", "quorum_status")
     PEER_LOST_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     QUORUM_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_STATUS_FIELD_NUMBER: _ClassVar[int]
     peer_lost: PeerLost
     request_id: int
     quorum_response: bytes
     error_code: str
     error: str
-    def __init__(self, peer_lost: _Optional[_Union[PeerLost, _Mapping]] = ..., request_id: _Optional[int] = ..., quorum_response: _Optional[bytes] = ..., error_code: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    quorum_status: str
+    def __init__(self, peer_lost: _Optional[_Union[PeerLost, _Mapping]] = ..., request_id: _Optional[int] = ..., quorum_response: _Optional[bytes] = ..., error_code: _Optional[str] = ..., error: _Optional[str] = ..., quorum_status: _Optional[str] = ...) -> None: ...
 
 class ManagerQuorumRequest(_message.Message):
     __slots__ = ("group_rank", "step", "checkpoint_metadata", "shrink_only", "init_sync", "commit_failures", "commit_quorum_id")
@@ -153,24 +163,28 @@ class CheckpointMetadataResponse(_message.Message):
     def __init__(self, checkpoint_metadata: _Optional[str] = ...) -> None: ...
 
 class ShouldCommitRequest(_message.Message):
-    __slots__ = ("should_commit", "group_rank", "step", "healed")
+    __slots__ = ("should_commit", "group_rank", "step", "healed", "redoable")
     SHOULD_COMMIT_FIELD_NUMBER: _ClassVar[int]
     GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     HEALED_FIELD_NUMBER: _ClassVar[int]
+    REDOABLE_FIELD_NUMBER: _ClassVar[int]
     should_commit: bool
     group_rank: int
     step: int
     healed: bool
-    def __init__(self, should_commit: _Optional[bool] = ..., group_rank: _Optional[int] = ..., step: _Optional[int] = ..., healed: _Optional[bool] = ...) -> None: ...
+    redoable: bool
+    def __init__(self, should_commit: _Optional[bool] = ..., group_rank: _Optional[int] = ..., step: _Optional[int] = ..., healed: _Optional[bool] = ..., redoable: _Optional[bool] = ...) -> None: ...
 
 class ShouldCommitResponse(_message.Message):
-    __slots__ = ("should_commit", "all_healed")
+    __slots__ = ("should_commit", "all_healed", "all_redoable")
     SHOULD_COMMIT_FIELD_NUMBER: _ClassVar[int]
     ALL_HEALED_FIELD_NUMBER: _ClassVar[int]
+    ALL_REDOABLE_FIELD_NUMBER: _ClassVar[int]
     should_commit: bool
     all_healed: bool
-    def __init__(self, should_commit: _Optional[bool] = ..., all_healed: _Optional[bool] = ...) -> None: ...
+    all_redoable: bool
+    def __init__(self, should_commit: _Optional[bool] = ..., all_healed: _Optional[bool] = ..., all_redoable: _Optional[bool] = ...) -> None: ...
 
 class KillRequest(_message.Message):
     __slots__ = ("msg",)

@@ -1,0 +1,443 @@
+"""A replica's long-lived HeartbeatStream to the lighthouse, on grpc.aio.
+
+Every stream of a process runs on one event loop thread ("ftl-heartbeat-streams"), so a process with
+many members (a benchmark, a launcher) costs one thread, not two per member, and a quorum request sent
+on the stream costs one hop from the caller's thread to the loop and one back: the loop writes the
+request, reads the answer and wakes the caller. Heartbeats go out on a timer of the loop, a quorum
+request counting as one.
+
+While the stream is open the lighthouse counts the replica alive; when this process dies the
+connection drops and the lighthouse drops the replica at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import grpc
+
+from ft_core.control.job_end import FINISHED_CODE, job_finished_error
+from ft_core.control.proto import ft_pb2
+from ft_core.control.rpc import CHANNEL_OPTIONS, auth_metadata, backoff_delays, channel_credentials, map_rpc_error, seconds, tls_config
+from ft_core.control.types import Quorum, QuorumMember
+from ft_core.errors import FTTimeoutError, RPCError
+from ft_core.net import normalize_address
+
+logger = logging.getLogger("ft_core.control.lighthouse_client")
+
+__all__ = ["HeartbeatStreamHandle", "StreamUnavailable", "stream_loop"]
+
+# Reconnect quickly after a lighthouse restart instead of grpc's default 1 s .. 120 s backoff.
+CLIENT_CHANNEL_OPTIONS = CHANNEL_OPTIONS + [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+CONNECT_ATTEMPT_S = 1.0  # longest single connection attempt before trying the next address
+CLEAN_CLOSE_S = 1.0  # longest stop() waits for the lighthouse to end a half-closed stream (a clean exit)
+HEADERS_WAIT_S = 1.0  # longest a new stream waits for the lighthouse's headers before writing anyway
+_METHOD = "/ftl.LighthouseService/HeartbeatStream"
+_GOODBYE = object()  # queued by stop(): the writer sends `leaving`, then half-closes the stream
+
+
+class StreamUnavailable(RPCError):
+    """The heartbeat stream could not carry a quorum request (not open, or it ended before the answer):
+    the caller falls back to a unary Quorum call."""
+
+
+class _StreamPoll:
+    """A quorum request sent on the heartbeat stream, waiting for the answer with its request_id."""
+
+    __slots__ = ("done", "future", "response")
+
+    def __init__(self, future: asyncio.Future | None = None) -> None:
+        self.done = threading.Event()
+        self.future = future  # set by quorum_async (on the loop), resolved with `done`
+        self.response: ft_pb2.LighthouseHeartbeatResponse | None = None  # None: the stream ended first
+
+    def settle(self) -> None:
+        self.done.set()
+        if self.future is not None and not self.future.done():
+            self.future.set_result(None)
+
+
+def stream_loop() -> asyncio.AbstractEventLoop:
+    """The process's event loop for heartbeat streams (and the manager servers' gRPC), started on first use."""
+    return _StreamLoop.get()
+
+
+class _StreamLoop:
+    """The process's event loop thread for heartbeat streams, started on first use."""
+
+    _lock = threading.Lock()
+    _loop: asyncio.AbstractEventLoop | None = None
+    _thread: threading.Thread | None = None
+
+    @classmethod
+    def get(cls) -> asyncio.AbstractEventLoop:
+        with cls._lock:
+            if cls._loop is None or cls._thread is None or not cls._thread.is_alive():  # none yet, or forked
+                loop = asyncio.new_event_loop()
+                cls._thread = threading.Thread(target=cls._run, args=(loop,), name="ftl-heartbeat-streams",
+                                               daemon=True)
+                cls._thread.start()
+                cls._loop = loop
+            return cls._loop
+
+    @staticmethod
+    def _run(loop: asyncio.AbstractEventLoop) -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_forever()
+
+
+def _aio_channel(addr: str, options: list[tuple[str, Any]]) -> grpc.aio.Channel:
+    """A grpc.aio channel to `addr` (TLS as FT_TLS_CA/FT_TLS_CERT say, as rpc.open_channel does)."""
+    target = normalize_address(addr)
+    roots = tls_config().client_roots
+    if roots:
+        return grpc.aio.secure_channel(target, channel_credentials(roots), options=options)
+    return grpc.aio.insecure_channel(target, options=options)
+
+
+class HeartbeatStreamHandle:
+    """One HeartbeatStream kept open on the process's stream loop; reconnects and fails over when it breaks.
+
+    `.stop()` half-closes the stream (the lighthouse logs a clean exit), cancels it if the lighthouse does
+    not end it promptly, and waits for the stream's task. PeerLost notices the lighthouse pushes on the
+    stream go to the listeners added with `add_peer_lost_listener`, called on the loop's thread.
+    """
+
+    def __init__(self, client: Any, replica_id: str, interval_s: float) -> None:
+        self.replica_id = replica_id
+        self._client = client  # the LighthouseClient: addresses in failover order, token, channel options
+        self._interval_s = max(interval_s, 0.001)
+        self._stale_after_s = max(20 * self._interval_s, 3.0)  # no answer this long: reconnect
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._call: Any = None
+        self._connected = threading.Event()
+        self._listeners: list[Callable[[int, str], None]] = []
+        self._outbox: asyncio.Queue | None = None  # what the open stream's writer sends (guarded by _lock)
+        self._polls: dict[int, _StreamPoll] = {}  # quorum requests of the open stream (guarded by _lock)
+        self._request_ids = itertools.count(1)
+        self._loop = _StreamLoop.get()
+        self._channels: dict[str, grpc.aio.Channel] = {}  # used on the loop only
+        self._stopped: asyncio.Event | None = None  # the loop's view of _stop (made on the loop)
+        self._task: concurrent.futures.Future | None = None
+        self.last_error: Exception | None = None
+
+    def _start(self) -> None:
+        self._task = asyncio.run_coroutine_threadsafe(self._run(), self._loop)
+
+    @property
+    def connected(self) -> bool:
+        """True while a stream is open and the lighthouse has answered on it."""
+        return self._connected.is_set()
+
+    def wait_connected(self, timeout: timedelta | float) -> bool:
+        return self._connected.wait(seconds(timeout))
+
+    def add_peer_lost_listener(self, listener: Callable[[int, str], None]) -> None:
+        """Call `listener(quorum_id, lost_replica_id)` for each PeerLost notice (on the stream loop's thread:
+        keep it short and non-blocking)."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def _peer_lost(self, notice: ft_pb2.PeerLost) -> None:
+        logger.info("lighthouse: replica %s of quorum %d lost (%s)", notice.replica_id, notice.quorum_id,
+                    notice.reason, extra={"replica_id": notice.replica_id, "quorum_id": notice.quorum_id,
+                                          "event": "peer_lost"})
+        with self._lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            try:
+                listener(notice.quorum_id, notice.replica_id)
+            except Exception:  # one listener's bug must not end the heartbeats; record it
+                logger.exception("peer-lost listener %r failed", listener)
+
+    # -- the stream, on the loop ------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        self._stopped = asyncio.Event()
+        if self._stop.is_set():
+            self._stopped.set()
+        delays = backoff_delays(initial=0.05, cap=1.0, jitter=0.05)
+        failures = 0
+        try:
+            while not self._stop.is_set():
+                addrs = self._client._order()
+                addr = addrs[failures % len(addrs)]
+                try:
+                    answered = await self._stream_once(addr)
+                except Exception as exc:  # keep heartbeating through anything; record it
+                    logger.exception("heartbeat stream of %s to %s failed", self.replica_id, addr)
+                    self.last_error = exc
+                    answered = False
+                if self._stop.is_set():
+                    break
+                if answered:
+                    failures = 0
+                    delays = backoff_delays(initial=0.05, cap=1.0, jitter=0.05)
+                else:
+                    failures += 1
+                try:
+                    await asyncio.wait_for(self._stopped.wait(), next(delays))
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            channels, self._channels = list(self._channels.values()), {}
+            for channel in channels:
+                await channel.close(None)
+
+    async def _drop_channel(self, addr: str) -> None:
+        channel = self._channels.pop(addr, None)
+        if channel is not None:
+            await channel.close(None)
+
+    async def _stream_once(self, addr: str) -> bool:
+        """Hold one stream to `addr` until it breaks; True when the lighthouse answered at least once."""
+        channel = self._channels.get(addr)
+        if channel is None:
+            channel = self._channels[addr] = _aio_channel(addr, CLIENT_CHANNEL_OPTIONS)
+        try:
+            await asyncio.wait_for(channel.channel_ready(), CONNECT_ATTEMPT_S)
+        except asyncio.TimeoutError:
+            self.last_error = RPCError(f"HeartbeatStream: could not connect to lighthouse {addr}", peer=addr,
+                                       call="LighthouseService.HeartbeatStream", code="UNAVAILABLE")
+            await self._drop_channel(addr)
+            return False
+        if self._stop.is_set():
+            return False
+        loop = asyncio.get_running_loop()
+        request = ft_pb2.LighthouseHeartbeatRequest(replica_id=self.replica_id).SerializeToString()
+        goodbye = ft_pb2.LighthouseHeartbeatRequest(replica_id=self.replica_id, leaving=True).SerializeToString()
+        call = channel.stream_stream(_METHOD, request_serializer=None,
+                                     response_deserializer=ft_pb2.LighthouseHeartbeatResponse.FromString)(
+            metadata=auth_metadata(self._client._token))
+        outbox: asyncio.Queue = asyncio.Queue()
+        last_answer = last_write = loop.time()
+        outbox.put_nowait(request)
+
+        async def write() -> None:
+            nonlocal last_write
+            try:
+                while True:
+                    item = await outbox.get()
+                    if item is _GOODBYE:  # then half-close: the lighthouse logs a clean exit, pushes nothing
+                        await call.write(goodbye)
+                        await call.done_writing()
+                        return
+                    await call.write(item)
+                    last_write = loop.time()  # a quorum request counts as a heartbeat at the lighthouse
+            except (grpc.RpcError, asyncio.InvalidStateError):
+                return  # the call ended: the reader below records why
+
+        def beat() -> None:
+            nonlocal timer
+            now = loop.time()
+            if now - last_answer > self._stale_after_s:
+                logger.warning("lighthouse %s stopped answering %s's heartbeats; reconnecting", addr, self.replica_id)
+                call.cancel()
+                return
+            due = last_write + self._interval_s
+            if now >= due:
+                outbox.put_nowait(request)
+                due = now + self._interval_s
+            timer = loop.call_later(due - now, beat)
+
+        with self._lock:
+            self._call = call
+            self._outbox = outbox
+        if self._stop.is_set():
+            outbox.put_nowait(_GOODBYE)
+        timer = loop.call_later(self._interval_s, beat)
+        answered = False
+        writer: asyncio.Task | None = None
+        try:
+            try:  # the lighthouse sends its headers at once, or rejects the call (token): writes start after
+                await asyncio.wait_for(call.initial_metadata(), HEADERS_WAIT_S)
+            except asyncio.TimeoutError:
+                pass  # an older lighthouse sends them with its first answer: write anyway
+            writer = loop.create_task(write())
+            while True:
+                try:
+                    response = await call.read()
+                except asyncio.CancelledError:
+                    if asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                        raise  # the task itself is cancelled (the process is going down)
+                    break  # the call was cancelled: stale, or stop() did not get a clean close in time
+                if response is grpc.aio.EOF:
+                    break
+                last_answer = loop.time()
+                if response.request_id:
+                    with self._lock:
+                        poll = self._polls.pop(response.request_id, None)
+                    if poll is not None:
+                        poll.response = response
+                        poll.settle()
+                if response.HasField("peer_lost"):
+                    self._peer_lost(response.peer_lost)
+                if not answered:
+                    answered = True
+                    self._connected.set()
+                    if self.last_error is not None:
+                        logger.info("heartbeat stream of %s to %s is back", self.replica_id, addr)
+                    self.last_error = None
+        except grpc.RpcError as err:
+            if not self._stop.is_set():
+                error = map_rpc_error(err, peer=addr, call="LighthouseService.HeartbeatStream")
+                if answered or self.last_error is None:
+                    logger.warning("heartbeat stream of %s broke: %s", self.replica_id, error)
+                self.last_error = error
+                if getattr(error, "code", "") == "UNAVAILABLE":
+                    self._client._reset(addr)
+                    await self._drop_channel(addr)
+        finally:
+            timer.cancel()
+            if writer is not None:
+                writer.cancel()
+            call.cancel()
+            self._connected.clear()
+            with self._lock:
+                self._call = None
+                self._outbox = None
+                polls, self._polls = self._polls, {}
+            for poll in polls.values():  # the stream ended: their callers fall back to a unary call
+                poll.settle()
+        return answered
+
+    def _send(self, outbox: asyncio.Queue, message: bytes) -> None:
+        """On the loop: queue `message` on the stream it was meant for, if that stream is still open."""
+        if self._outbox is outbox:
+            outbox.put_nowait(message)
+
+    def _on_stop(self) -> None:
+        """On the loop: say goodbye on the open stream, and end any backoff wait."""
+        if self._stopped is not None:
+            self._stopped.set()
+        with self._lock:
+            outbox = self._outbox
+        if outbox is not None:
+            outbox.put_nowait(_GOODBYE)
+
+    # -- the caller's side ------------------------------------------------------------------------
+
+    def _register(self, member: QuorumMember, timeout_s: float,
+                  poll: _StreamPoll) -> tuple[asyncio.Queue, int, bytes]:
+        """Register `poll` on the open stream: (its outbox, request id, the request to send)."""
+        with self._lock:  # registered under the lock the stream's end takes: never orphaned
+            outbox = self._outbox if self._connected.is_set() else None
+            if outbox is not None:
+                request_id = next(self._request_ids)
+                self._polls[request_id] = poll
+        if outbox is None:
+            raise StreamUnavailable(f"heartbeat stream of {self.replica_id} is not open", peer="lighthouse",
+                                    call="LighthouseService.HeartbeatStream", code="UNAVAILABLE")
+        message = ft_pb2.LighthouseHeartbeatRequest(
+            replica_id=self.replica_id, request_id=request_id, timeout_ms=max(int(timeout_s * 1000), 1),
+            quorum=ft_pb2.LighthouseQuorumRequest(requester=member.to_pb())).SerializeToString()
+        return outbox, request_id, message
+
+    def _timed_out(self, request_id: int, timeout_s: float) -> FTTimeoutError:
+        with self._lock:
+            self._polls.pop(request_id, None)
+        return FTTimeoutError(f"LighthouseService.Quorum (heartbeat stream of {self.replica_id}) timed out after "
+                              f"{timeout_s:.3g}s; check the lighthouse status page, min_replicas and join_timeout")
+
+    def _answer(self, response: ft_pb2.LighthouseHeartbeatResponse | None, timeout_s: float) -> Quorum:
+        """The quorum in the lighthouse's answer, or the error it carries."""
+        if response is None:
+            raise StreamUnavailable(f"heartbeat stream of {self.replica_id} ended before the quorum answer",
+                                    peer="lighthouse", call="LighthouseService.HeartbeatStream", code="UNAVAILABLE")
+        if response.error_code == "DEADLINE_EXCEEDED":
+            raise FTTimeoutError(f"{response.error} (after {timeout_s:.3g}s)")
+        if response.error_code == FINISHED_CODE:
+            raise job_finished_error(response.error, peer="lighthouse", call="LighthouseService.Quorum")
+        if response.error_code == "UNAVAILABLE":
+            raise StreamUnavailable(response.error, peer="lighthouse", call="LighthouseService.Quorum",
+                                    code="UNAVAILABLE")
+        if response.error_code:
+            raise RPCError(response.error, peer="lighthouse", call="LighthouseService.Quorum",
+                           code=response.error_code)
+        return Quorum.from_pb(ft_pb2.LighthouseQuorumResponse.FromString(response.quorum_response).quorum)
+
+    def quorum(self, member: QuorumMember, timeout: timedelta | float) -> Quorum:
+        """Join the next quorum over the open stream; wait (up to `timeout`) for one containing `member`.
+
+        Raises StreamUnavailable when the stream is not open or ends before the answer (the caller then
+        falls back to LighthouseClient.quorum), FTTimeoutError at the deadline."""
+        timeout_s = seconds(timeout)
+        poll = _StreamPoll()
+        outbox, request_id, message = self._register(member, timeout_s, poll)
+        try:
+            self._loop.call_soon_threadsafe(self._send, outbox, message)
+        except RuntimeError:  # the loop is gone (interpreter shutdown)
+            with self._lock:
+                self._polls.pop(request_id, None)
+            raise StreamUnavailable(f"heartbeat stream of {self.replica_id} is closed", peer="lighthouse",
+                                    call="LighthouseService.HeartbeatStream", code="UNAVAILABLE") from None
+        # The lighthouse answers by its own deadline (timeout_ms); a little slack covers the way back.
+        if not poll.done.wait(timeout_s + 1.0):
+            raise self._timed_out(request_id, timeout_s)
+        return self._answer(poll.response, timeout_s)
+
+    async def quorum_async(self, member: QuorumMember, timeout_s: float) -> Quorum:
+        """`quorum()` for a coroutine on the stream loop itself (the manager server's): no thread hop at all."""
+        poll = _StreamPoll(asyncio.get_running_loop().create_future())
+        outbox, request_id, message = self._register(member, timeout_s, poll)
+        self._send(outbox, message)
+        assert poll.future is not None
+        try:
+            await asyncio.wait_for(poll.future, timeout_s + 1.0)
+        except asyncio.TimeoutError:
+            raise self._timed_out(request_id, timeout_s) from None
+        except asyncio.CancelledError:
+            with self._lock:
+                self._polls.pop(request_id, None)
+            raise
+        return self._answer(poll.response, timeout_s)
+
+    def stop(self, timeout: timedelta | float = 5.0) -> None:
+        """Close the stream and wait for its task. Idempotent.
+
+        The writer sends a goodbye and half-closes the stream: the lighthouse answers by ending it, a
+        clean exit. Only if that takes longer than CLEAN_CLOSE_S is it cancelled."""
+        self._stop.set()
+        task = self._task
+        if task is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._on_stop)
+        except RuntimeError:  # the loop is gone (interpreter shutdown)
+            return
+        if threading.current_thread() is _StreamLoop._thread:
+            return  # stopped from a listener on the loop itself: the task ends on its own
+        for wait_s, then in ((min(CLEAN_CLOSE_S, seconds(timeout)), "cancel the call"),
+                             (seconds(timeout), "cancel the task")):
+            try:
+                task.result(wait_s)
+                return
+            except concurrent.futures.TimeoutError:
+                pass
+            except (concurrent.futures.CancelledError, Exception):  # ended, one way or another
+                return
+            with self._lock:
+                call = self._call
+            if then == "cancel the call" and call is not None:
+                self._loop.call_soon_threadsafe(call.cancel)
+            elif then == "cancel the task":
+                task.cancel()
+
+    def __enter__(self) -> HeartbeatStreamHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+

@@ -1,0 +1,169 @@
+"""One replica group (one process) of the core API for tests/test_redo_step.py: a small MLP under
+ft_core DDP + OptimizerWrapper, AdamW, each group its own data. The test steers it with files:
+
+- `<workdir>/g<N>.kill` holding `POINT:STEP`: SIGKILL self at POINT of step STEP (or later):
+  `forward` (after the step's quorum is issued, before the forward pass), `allreduce` (instead of
+  issuing the step's first cross-group reduction, while the peers' are in flight) or `vote` (after the group's vote);
+- `<workdir>/hold` holding `STEP`: at the start of the forward pass of that step (or the first one after), wait (at most 20 s)
+  until the Manager has recorded an error (the lost peer), so the kill lands inside this group's step
+  before any of its reductions is issued;
+- `<workdir>/stop` holding `STEP`: stop there.
+
+Writes `g<N>.i<incarnation>.steps.jsonl` (one line per vote: step voted on, step after, committed, digest of parameters and
+optimizer state, participants) and `...events.jsonl` (the Manager's structured events).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.nn.functional as F
+
+from ft_core.data import DistributedSampler
+from ft_core.ddp import DistributedDataParallel
+from ft_core.manager import Manager
+from ft_core.optim import OptimizerWrapper
+from ft_core.process_groups import ProcessGroupGloo
+
+
+def read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return ""
+
+
+def digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    h = hashlib.sha256()
+    for t in list(model.state_dict().values()) + [v for s in optimizer.state_dict()["state"].values()
+                                                  for v in s.values() if isinstance(v, torch.Tensor)]:
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class Events(logging.Handler):
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self._file = open(path, "a", buffering=1)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        event = getattr(record, "ft_event", None)
+        if event is not None:
+            self._file.write(json.dumps(event, default=str) + "\n")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--group", type=int, required=True)
+    p.add_argument("--incarnation", type=int, default=1)
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--exactly-once", action="store_true", help="draw batches from ft_core's exactly-once sampler")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    prefix = os.path.join(args.workdir, f"g{args.group}.i{args.incarnation}")
+    events = logging.getLogger("ft_core.events")
+    events.setLevel(logging.INFO)
+    events.addHandler(Events(prefix + ".events.jsonl"))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 4))
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=args.timeout))
+    def load(state: dict) -> None:
+        model.load_state_dict(state["model"])
+        inner.load_state_dict(state["optim"])
+
+    manager = Manager(pg, load_state_dict=load, state_dict=lambda: {"model": model.state_dict(),
+                                                                    "optim": inner.state_dict()},
+                      replica_id=f"g{args.group}", timeout=timedelta(seconds=args.timeout),
+                      quorum_timeout=timedelta(seconds=30), connect_timeout=timedelta(seconds=30))
+    ddp = DistributedDataParallel(manager, model)
+    optimizer = OptimizerWrapper(manager, inner)
+    kill_file, hold_file = os.path.join(args.workdir, f"g{args.group}.kill"), os.path.join(args.workdir, "hold")
+
+    def armed(point: str) -> bool:
+        what, _, step = read(kill_file).partition(":")
+        return what == point and manager.current_step() >= int(step or 0)
+
+    def die(point: str) -> None:
+        print(f"SIGKILL self at step {manager.current_step()} during {point}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def before_forward(*_: object) -> None:
+        if armed("forward"):
+            manager.wait_quorum()  # the step's quorum holds this group: its loss is pushed to the others
+            die("forward")
+        hold = read(hold_file)
+        if hold and manager.current_step() >= int(hold) and not held:
+            held.append(manager.current_step())
+            deadline = time.monotonic() + 20
+            while manager.errored() is None and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+    held: list[int] = []
+    ddp.register_forward_pre_hook(before_forward)
+    issue = manager.allreduce
+
+    def check_then_allreduce(tensor: torch.Tensor, *a: object, **kw: object) -> object:
+        if armed("allreduce"):
+            time.sleep(0.05)  # the peers' reductions are in flight, waiting for ours: it never comes
+            die("allreduce")
+        return issue(tensor, *a, **kw)
+
+    manager.allreduce = check_then_allreduce  # type: ignore[method-assign]
+    gen = torch.Generator().manual_seed(1000 + args.group)
+    sampler = None
+    if args.exactly_once:
+        data = torch.utils.data.TensorDataset(torch.randn(100000, 16, generator=torch.Generator().manual_seed(7)),
+                                              torch.randint(0, 4, (100000,), generator=torch.Generator().manual_seed(8)))
+        sampler = DistributedSampler(data, replica_group_id=args.group, num_replica_groups=3, manager=manager,
+                                     batch_size=8, shuffle=False)
+        batches = iter(torch.utils.data.DataLoader(data, batch_sampler=sampler))
+    log = open(prefix + ".steps.jsonl", "a", buffering=1)
+    print(f"group {args.group} ready (replica_id {manager.replica_id})", flush=True)
+    while True:
+        stop = read(os.path.join(args.workdir, "stop"))
+        if stop and manager.current_step() >= int(stop):
+            break
+        optimizer.zero_grad()
+        if sampler is not None:
+            x, y = next(batches)
+        else:
+            x = torch.randn(32, 16, generator=gen)
+            y = torch.randint(0, 4, (32,), generator=gen)
+        loss = F.cross_entropy(ddp(x), y)
+        if sampler is not None:
+            loss = loss * sampler.loss_weight()
+        loss.backward()
+        step = manager.current_step()
+        optimizer.step()
+        rec = sampler.last_batch if sampler is not None else None
+        log.write(json.dumps({"step": step, "after": manager.current_step(), "committed": optimizer.committed,
+                              "time": time.time(), "held": list(rec.held) if rec else None,
+                              "consumed": list(rec.consumed) if rec else None,
+                              "digest": digest(model, inner), "participants": manager.num_participants()}) + "\n")
+        if armed("vote"):
+            die("vote")
+        time.sleep(0.01)
+    with open(prefix + ".final.json", "w") as f:
+        json.dump({"step": manager.current_step(), "digest": digest(model, inner)}, f)
+    manager.shutdown()
+    pg.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""Exactly-once data under Accelerate: replica groups running the plain `for epoch in range(N): for batch
+in loader:` loop with `FaultTolerancePlugin(exactly_once=True)`, killed and restarted while the ledger of
+tests/test_data_ledger.py records every step attempt; the same verdict (each complete epoch's committed,
+participating batches cover every index exactly once), a constant global batch, and a job resumed from
+`accelerator.save_state` after every group died at once."""
+
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import os
+import random
+import subprocess
+import time
+
+import pytest
+from conftest import REPO_ROOT
+from test_data_ledger import LedgerGroup, check_ledger, read_ledgers
+
+from ft_core.control.lighthouse import LighthouseServer
+
+WORKER = os.path.join(REPO_ROOT, "tests", "_accelerate_data_worker.py")
+
+
+def loop_epochs_follow_the_data(tmp_path) -> None:
+    """The plain loop's `epoch` is the data's epoch at every step a group trained with weight 1 after its
+    first (a healing step still belongs to the pass it started in)."""
+    for rows in read_ledgers(tmp_path):
+        attempts = [r for r in rows if r["kind"] == "attempt"]
+        for r in attempts[1:]:
+            if r["valid"]:
+                assert r["loop_epoch"] == r["epoch"], r
+
+
+def run_with_kills(processes, tmp_path, *, kills: int, args: list[str], nproc: int = 1,
+                   kill_before_epoch: int, deadline_s: float = 110.0) -> list[LedgerGroup]:
+    """Three groups; SIGKILL and restart one every 0.2-0.6 s (never the last one training) until `kills`,
+    all before epoch `kill_before_epoch`, while steps sleep (`--step-sleep`); then steps run at full
+    speed (the fast file, once every restart has joined) and every group must finish. An Accelerate restart takes seconds (much more
+    on a loaded machine), so the job is slow only while kills are still to come."""
+    rng = random.Random(11)
+    fast = os.path.join(str(tmp_path), "fast")
+    with LighthouseServer(min_replicas=1, join_timeout_ms=1000) as lighthouse:
+        gs = [LedgerGroup(processes, tmp_path, g, 3, lighthouse.address(), [*args, "--fast-file", fast], nproc, WORKER)
+              for g in range(3)]
+        try:
+            for g in gs:
+                g.start()
+            deadline = time.monotonic() + deadline_s
+            done = 0
+            while done < kills:
+                assert time.monotonic() < deadline, f"only {done} kills before the deadline"
+                time.sleep(rng.uniform(0.2, 0.6))
+                reached = max(g.epoch() for g in gs)
+                assert reached < kill_before_epoch, f"epoch {reached} reached after only {done} kills"
+                for g in gs:
+                    assert g.proc.poll() in (None, 0), f"group {g.group} exited {g.proc.returncode}:\n{g.output()[-3000:]}"
+                training = [g for g in gs if g.outcomes() >= 2]
+                victims = [g for g in gs if g.outcomes() >= 1 and any(t is not g for t in training)]
+                if victims:
+                    victim = rng.choice(victims)
+                    victim.kill()
+                    victim.start()
+                    done += 1
+            while not all(g.outcomes() >= 1 for g in gs):  # every restart has joined (healed) before the end
+                assert time.monotonic() < deadline, "a restarted group never joined"
+                assert max(g.epoch() for g in gs) < kill_before_epoch + 1, "the job ended before a restart joined"
+                time.sleep(0.2)
+            open(fast, "w").close()
+            for g in gs:
+                try:
+                    code = g.proc.wait(timeout=max(5.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise AssertionError(f"group {g.group} did not finish:\n{g.output()[-3000:]}") from None
+                assert code == 0, f"group {g.group} exited {code}:\n{g.output()[-3000:]}"
+        finally:
+            for g in gs:
+                if g.proc is not None:
+                    g.kill()
+    return gs
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("variant, kills, extra, nproc", [
+    # An Accelerate restart takes 10-40 s on a loaded 2-core machine (spawned workers and torchrun ranks more):
+    # these counts fit a test's time there; `ftl chaos` makes the long runs.
+    ("one process per group", 4, [], 1),
+    ("num_workers=2", 2, ["--workers", "2"], 1),
+    ("2 ranks per group", 2, [], 2),
+])
+def test_accelerate_ledger_three_groups_with_kills(processes, tmp_path, variant, kills, extra, nproc):
+    size, epochs = 240, 5
+    run_with_kills(processes, tmp_path, kills=kills, nproc=nproc, kill_before_epoch=epochs - 1,
+                   args=["--epochs", str(epochs), "--size", str(size), "--step-sleep", "0.5", *extra])
+    verdict = check_ledger(tmp_path, size, columns=nproc)
+    assert sorted(verdict) == list(range(epochs)), verdict
+    assert all(v["lost"] == 0 and v["duplicated"] == 0 for v in verdict.values()), verdict
+    loop_epochs_follow_the_data(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_accelerate_global_batch_size_trains_exactly_g_samples_per_step_through_1_2_3_participants(
+        processes, tmp_path):
+    size, g = 240, 12
+    run_with_kills(processes, tmp_path, kills=3, kill_before_epoch=4,
+                   args=["--epochs", "5", "--size", str(size), "--step-sleep", "0.5", "--global-batch-size", str(g)])
+    check_ledger(tmp_path, size)
+    files = read_ledgers(tmp_path)
+    epoch_of = {r["step"]: r["epoch"] for rows in files for r in rows if r["kind"] == "attempt" and r["rank"] is not None}
+    seen: collections.Counter = collections.Counter()
+    for rows in files:
+        pending = None
+        for row in rows:
+            if row["kind"] == "attempt":
+                pending = row
+            elif row["kind"] == "outcome" and pending is not None:
+                if row["committed"] and pending["rank"] is not None and all(pending["held"]):
+                    last_of_epoch = epoch_of.get(pending["step"] + 1, pending["epoch"] + 1) > pending["epoch"]
+                    assert len(pending["consumed"]) == g or (last_of_epoch and len(pending["consumed"]) < g), pending
+                    seen[pending["n"]] += 1
+                pending = None
+    assert {1, 2, 3} <= set(seen), f"participants seen in fully held steps: {dict(seen)}"
+
+
+def saved_steps(tmp_path, group: int) -> list[int]:
+    return sorted(int(p.rsplit("_", 1)[1]) for p in glob.glob(os.path.join(str(tmp_path), "ckpt", f"group{group}",
+                                                                                "step_*"))
+                  if os.path.exists(os.path.join(p, "fault_tolerance_0.json")))
+
+
+@pytest.mark.timeout(120)
+def test_every_group_killed_at_once_resumes_from_save_state(processes, tmp_path):
+    """Kill all three groups at once and restart them with `accelerator.load_state` of their newest
+    `save_state`: each resumes at that checkpoint's step (its position and schedule included), and the
+    job's history from there loses and repeats nothing, in the epoch it resumed in too."""
+    size = 240
+    args = ["--epochs", "3", "--size", str(size), "--step-sleep", "0.05", "--save", os.path.join(str(tmp_path), "ckpt"),
+            "--save-every", "7", "--resume"]
+    with LighthouseServer(min_replicas=3, join_timeout_ms=5000) as lighthouse:
+        gs = [LedgerGroup(processes, tmp_path, g, 3, lighthouse.address(), args, worker=WORKER) for g in range(3)]
+        try:
+            for g in gs:
+                g.start()
+            deadline = time.monotonic() + 60
+            while not all(saved_steps(tmp_path, g.group) and g.outcomes() >= 25 for g in gs):
+                assert time.monotonic() < deadline, "no save_state written"
+                for g in gs:
+                    assert g.proc.poll() is None, g.output()[-3000:]
+                time.sleep(0.1)
+            for g in gs:
+                g.kill()
+            resumed = {g.group: saved_steps(tmp_path, g.group)[-1] for g in gs}
+            for g in gs:
+                g.start()
+            for g in gs:
+                assert g.proc.wait(timeout=90) == 0, g.output()[-3000:]
+        finally:
+            for g in gs:
+                g.kill()
+    for g in gs:
+        start = g._rows("start")[0]
+        assert start["step"] == resumed[g.group], (start, resumed)
+        with open(os.path.join(str(tmp_path), "ckpt", f"group{g.group}", f"step_{resumed[g.group]}",
+                               "fault_tolerance_0.json")) as f:
+            saved = json.load(f)
+        assert saved["manager"]["step"] == resumed[g.group]
+    verdict = check_ledger(tmp_path, size)
+    assert sorted(verdict) == [0, 1, 2], verdict
+    loop_epochs_follow_the_data(tmp_path)
+    # The epoch-level schedule ends where an uninterrupted run's does: 3 epochs, 3 steps of gamma 0.9.
+    done = [row for g in gs for row in ledger_rows(g, "done")]
+    assert all(abs(d["lr"][0] - 0.01 * 0.9 ** 3) < 1e-12 for d in done), done
+
+
+def ledger_rows(group: LedgerGroup, kind: str) -> list[dict]:
+    with open(group.ledger(rank=0)) as f:
+        return [json.loads(line) for line in f if f'"{kind}"' in line]
+
+
+def done_row(group: LedgerGroup) -> dict:
+    rows = ledger_rows(group, "done")
+    assert rows, group.output()[-3000:]
+    return rows[-1]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("with_checkpoint", [True, False], ids=["resumes from the final save_state", "refused"])
+def test_a_group_restarted_after_the_job_finished_does_not_retrain_alone(processes, tmp_path, with_checkpoint):
+    """Group 1 trains to the end (and save_states there); group 0 is killed midway and restarted only after
+    that, with nobody live to heal from. With FT_CHECKPOINT_DIR holding the final save_state it resumes from
+    it and ends with group 1's step, data position, schedule and weights (it trains nothing alone);
+    without one it exits non-zero saying why."""
+    ckpt, fast = os.path.join(str(tmp_path), "ckpt"), os.path.join(str(tmp_path), "fast")
+    args = ["--epochs", "3", "--size", "240", "--save", ckpt, "--save-every", "1000"]
+    args += ["--save-final"] if with_checkpoint else []
+    slow = [*args, "--step-sleep", "0.3", "--fast-file", fast]  # slow until both have trained (a loaded machine)
+    with LighthouseServer(min_replicas=1, join_timeout_ms=500) as lighthouse:
+        g0, g1 = (LedgerGroup(processes, tmp_path, g, 2, lighthouse.address(), slow, worker=WORKER) for g in range(2))
+        try:
+            g0.start()
+            g1.start()
+            deadline = time.monotonic() + 80
+            while not (g0.outcomes() >= 3 and g1.outcomes() >= 3):
+                assert time.monotonic() < deadline and g0.proc.poll() is None and g1.proc.poll() is None, \
+                    g0.output()[-3000:] + g1.output()[-3000:]
+                time.sleep(0.1)
+            g0.kill()
+            open(fast, "w").close()
+            assert g1.proc.wait(timeout=60) == 0, g1.output()[-3000:]
+            g0.args = [*args, "--checkpoint-dir", ckpt]  # the job's save_state folders: group 1's final one, or none
+            g0.start()
+            code = g0.proc.wait(timeout=80)
+        finally:
+            g0.kill()
+            g1.kill()
+    out = g0.output()
+    if with_checkpoint:
+        assert code == 0, out[-3000:]
+        a, b = done_row(g1), done_row(g0)
+        assert (b["step"], b["position"], b["lr"], b["weights"]) == (a["step"], a["position"], a["lr"], a["weights"])
+        assert "resuming from its checkpoint" in out, out[-3000:]
+        attempts = ledger_rows(g0, "attempt")
+        assert all(not r["valid"] for r in attempts), attempts  # nothing trained alone
+    else:
+        assert code != 0, out[-3000:]
+        assert "the job finished at step" in out and "holds no accelerator.save_state checkpoint" in out, out[-3000:]
