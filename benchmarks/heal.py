@@ -235,8 +235,8 @@ def _vote_cost(quick: bool) -> dict[str, Any]:
             "steps": steps}
 
 
-REDO_MODES: dict[str, dict[str, str]] = {"redo_off": {"FT_REDO_STEP": "0"}, "redo_on": {},
-                                         "redo_copy": {"FT_REDO_COPY": "1"}}
+REDO_MODES: dict[str, dict[str, str]] = {"redo_off": {"FT_REDO_STEP": "0"}, "redo_on": {"FT_REDO_STEP": "1"},
+                                         "redo_copy": {"FT_REDO_STEP": "1", "FT_REDO_COPY": "1"}}
 KILL_POINTS = ("forward", "allreduce")
 
 

@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout * 3))
     if args.events:
         events = logging.getLogger("ft_core.events")
-        events.setLevel(logging.INFO)
+        events.setLevel(logging.DEBUG)  # every event: routine quorums and commits are DEBUG
         events.addHandler(JsonLines(args.events.format(rank=rank)))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
 

@@ -131,9 +131,10 @@ SETTINGS: tuple[Setting, ...] = (
             "dynamic: average over every live group; fixed_with_spares: exactly min_replica_size contribute"),
     Setting("use_async_quorum", "FT_ASYNC_QUORUM", parse_bool, True, "boolean",
             "form the quorum in the background, overlapping the forward pass"),
-    Setting("redo_step", "FT_REDO_STEP", parse_bool, True, "boolean",
+    Setting("redo_step", "FT_REDO_STEP", parse_bool, False, "boolean",
             "when a peer is lost during a step, the survivors form the quorum again and redo its reductions "
-            "without it instead of failing the step (docs/guarantees.md)"),
+            "without it instead of failing the step; only for loops that read reduced values after the vote "
+            "(docs/guarantees.md)"),
     Setting("redo_copy", "FT_REDO_COPY", parse_bool, False, "boolean",
             "keep a copy of every cross-group reduction's input so a step that lost a peer mid-reduction can "
             "be redone too (one memcpy and one copy of the gradients per step)"),

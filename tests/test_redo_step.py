@@ -67,7 +67,7 @@ class Job:
         out = open(os.path.join(self.workdir, f"g{g}.i{self.incarnation[g]}.out"), "w")
         self.procs[g] = self.processes.spawn(
             [sys.executable, WORKER, "--group", str(g), "--incarnation", str(self.incarnation[g]),
-             "--workdir", self.workdir, *self.extra], env=child_env(FT_LIGHTHOUSE=self.lighthouse, **self.env), stdout=out,
+             "--workdir", self.workdir, *self.extra], env=child_env(FT_LIGHTHOUSE=self.lighthouse, **{"FT_REDO_STEP": "1", **self.env}), stdout=out,
             stderr=out)
 
     def steps(self, g: int, incarnation: int | None = None) -> list[dict[str, Any]]:

@@ -150,7 +150,7 @@ class FTEventRecorder(logging.Handler):
     """Turns the Manager's structured events (logger "ft_core.events") into demo records."""
 
     def __init__(self, log: EventLog, model: CharGRU) -> None:
-        super().__init__(level=logging.INFO)
+        super().__init__(level=logging.DEBUG)  # commits and unchanged quorums are DEBUG events
         self.log, self.model = log, model
         self.quorum_id: int | None = None
         self.heal_to: int | None = None  # the step the last quorum told this group to heal to
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     recorder = FTEventRecorder(log, model)
     attach_console()  # membership changes, heals and failed steps as one line each in the group's log
     events_logger = logging.getLogger("ft_core.events")
-    events_logger.setLevel(logging.INFO)
+    events_logger.setLevel(logging.DEBUG)  # every quorum and commit (routine ones are DEBUG events)
     events_logger.addHandler(recorder)
     stopper = StopAtStep(args.max_steps, args.stop_file)
     trainer = pl.Trainer(
