@@ -9,6 +9,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,12 +36,14 @@ def worker_env() -> dict[str, str]:
 
 
 def run_workers(argvs: Sequence[list[str]], timeout_s: float) -> None:
-    """Start one python process per argv, wait for all; on failure or timeout end them all and raise."""
+    """Start one python process per argv, wait for all (`timeout_s` for the whole set); on failure or
+    timeout end them all and raise."""
+    deadline = time.monotonic() + timeout_s
     procs = [subprocess.Popen([sys.executable, *argv], env=worker_env(), cwd=REPO_ROOT, start_new_session=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for argv in argvs]
     try:
         for proc in procs:
-            out, _ = proc.communicate(timeout=timeout_s)
+            out, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
             if proc.returncode != 0:
                 raise RuntimeError(f"benchmark worker {proc.args[1:]} failed ({proc.returncode}):\n{out[-3000:]}")
     finally:

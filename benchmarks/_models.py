@@ -9,6 +9,7 @@ MODELS = {
     # 1024*2048 + 2048*768 + 768*10 weights (+ biases) = 3.68M parameters, as in the reference's measurement.
     "mlp3.7m": (1024, (2048, 768), 10),
     "mlp25m": (2048, (4096, 4096), 10),
+    "mlp0.3m": (256, (512, 256), 10),  # benchmarks/diloco.py's small case
 }
 
 

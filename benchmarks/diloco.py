@@ -29,17 +29,9 @@ from datetime import timedelta
 import torch
 from torch import nn
 
-from benchmarks import _harness
+from benchmarks import _harness, _models
 
-MODELS = {"mlp3.7m": (1024, 2048, 768, 10), "mlp0.3m": (256, 512, 256, 10)}
-
-
-def _model(name: str) -> nn.Module:
-    dims = MODELS[name]
-    layers: list[nn.Module] = []
-    for a, b in zip(dims, dims[1:]):
-        layers += [nn.Linear(a, b), nn.ReLU()]
-    return nn.Sequential(*layers[:-1])
+MODELS = ("mlp3.7m", "mlp0.3m")  # of benchmarks/_models.py
 
 
 def _manager(args: argparse.Namespace, timeout: timedelta, state: dict) -> tuple[object, object, type]:
@@ -95,9 +87,8 @@ def _manager(args: argparse.Namespace, timeout: timedelta, state: dict) -> tuple
 def worker(args: argparse.Namespace) -> None:
     """One replica group: run `args.steps` inner steps in mode args.mode with args.impl; write step times and bytes."""
     torch.set_num_threads(1)
-    torch.manual_seed(0)
     timeout = timedelta(seconds=60)
-    model = _model(args.model)
+    model = _models.build(args.model, seed=0)
     # the same optimizer in both modes (DiLoCo's inner one)
     inner = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
@@ -107,7 +98,7 @@ def worker(args: argparse.Namespace) -> None:
 
     state: dict = {"load": load, "save": lambda: {"model": model.state_dict(), "optim": inner.state_dict()}}
     manager, pg, (counting, ddp_cls, diloco_cls) = _manager(args, timeout, state)
-    x = torch.randn(32, MODELS[args.model][0], generator=torch.Generator().manual_seed(args.group))
+    x = torch.randn(32, _models.MODELS[args.model][0], generator=torch.Generator().manual_seed(args.group))
     y = torch.randint(0, 10, (32,), generator=torch.Generator().manual_seed(args.group))
     times: list[float] = []
     try:
@@ -163,7 +154,10 @@ def run_case(impl: str, mode: str, sync_every: int, steps: int, model: str, tmp:
                              timeout_s=900)
     finally:
         lighthouse.shutdown()
-    rows = [json.load(open(o)) for o in outs]
+    rows = []
+    for path in outs:
+        with open(path) as f:
+            rows.append(json.load(f))
     warm = min(10, steps // 5)
     step_s = statistics.median(t for r in rows for t in r["times"][warm:])
     mean_s = statistics.mean(t for r in rows for t in r["times"][warm:])

@@ -33,7 +33,7 @@ from typing import Any
 
 from benchmarks import _harness
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = _harness.REPO_ROOT
 sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))
 
 MODEL_ARGS = ["--in-features", "1024", "--hidden", "2048", "768", "--batch-size", "32", "--lr", "1e-4"]
@@ -119,7 +119,6 @@ def _torchft_restart(workdir: str, repeats: int) -> dict[str, Any]:
     from ft_harness import read_jsonl, wait_until
     from torchft._torchft import LighthouseServer as TorchftLighthouse
 
-    os.environ.setdefault("RUST_LOG", "error")
     script = os.path.join(REPO_ROOT, "benchmarks", "_torchft_train.py")
     procs = Processes()
     lighthouse = TorchftLighthouse(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=2000)
@@ -138,12 +137,12 @@ def _torchft_restart(workdir: str, repeats: int) -> dict[str, Any]:
             self.incarnation += 1
             if os.path.exists(self.kill_file):
                 os.remove(self.kill_file)
-            out = open(os.path.join(workdir, f"torchft.g{self.group_id}.i{self.incarnation}.out"), "w")
             self.spawned_at = time.time()
-            self.proc = procs.spawn([sys.executable, script, "--lighthouse", address, "--replica-id",
-                                     f"torchft_{self.group_id}", "--step-log", self.log(), "--kill-file", self.kill_file,
-                                     "--stop-file", stop_file], env=child_env(RUST_LOG="error"), stdout=out,
-                                    stderr=subprocess.STDOUT)
+            with open(os.path.join(workdir, f"torchft.g{self.group_id}.i{self.incarnation}.out"), "w") as out:
+                self.proc = procs.spawn([sys.executable, script, "--lighthouse", address, "--replica-id",
+                                         f"torchft_{self.group_id}", "--step-log", self.log(), "--kill-file",
+                                         self.kill_file, "--stop-file", stop_file], env=child_env(RUST_LOG="error"),
+                                        stdout=out, stderr=subprocess.STDOUT)  # the child keeps its own copy
 
         def rows(self, incarnation: int | None = None) -> list[dict[str, Any]]:
             return read_jsonl(self.log(incarnation))

@@ -229,7 +229,7 @@ class _HookState:
         self.manager = manager
         self.reducer = reducer
         self.intra_group_pg = intra_group_pg
-        self.intra_size = intra_group_pg.size() if intra_group_pg is not None else 1
+        self.intra_size = dist.get_world_size(intra_group_pg) if intra_group_pg is not None else 1
 
 
 def _ft_comm_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -298,8 +298,6 @@ def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, man
     reducer = _CanonicalReducer(manager, params, first_cap, cap)
     reducer.restorable = intra_group_pg is None and not getattr(ddp_model, "gradient_as_bucket_view", False)
     state = _HookState(manager, reducer, intra_group_pg)
-    if intra_group_pg is not None:
-        state.intra_size = dist.get_world_size(intra_group_pg)
     ddp_model.register_comm_hook(state, _ft_comm_hook)
     ddp_model._ft_hook_state = state  # type: ignore[attr-defined]
     module = ddp_model.module

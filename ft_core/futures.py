@@ -396,6 +396,56 @@ def recover(fut: AnyFuture, default: T, on_error: Callable[[BaseException], None
     return out
 
 
+def settled(fut: AnyFuture, default: T, on_error: Callable[[BaseException], None], timeout: timedelta | float,
+            fn: Callable[[Any], Any] | None = None, what: str = "operation") -> torch.futures.Future:
+    """`recover(future_timeout(chain(fut, fn), timeout), default, on_error)` as one future and one callback
+    (every collective of every step goes through it): `fn(value)` (or the value) when `fut` completes
+    within `timeout`, else `default` after on_error(exception). `fn` runs when `fut` completes, even
+    after the deadline passed, as chain's would. Devices: `fut`'s and `default`'s."""
+    out = device_future(_union(future_devices(fut), devices_of(default)))
+    lock = threading.Lock()
+    done = [False]
+    seconds = _seconds(timeout)
+
+    def finish(ok: bool, value: Any) -> None:
+        with lock:
+            if done[0]:
+                return
+            done[0] = True
+        devs = getattr(out, _DEVICES_ATTR, ())
+        extra = [d for d in devices_of(value) if d not in devs] if ok and devs else []
+        if extra:
+            ok, value = False, FTError(f"a future made for {list(devs)} got a value on {extra}; keep the "
+                                       "tensors of one collective on the device it was issued from "
+                                       "(torch.cuda.set_device)")
+        if ok:
+            out.set_result(value)
+            return
+        try:
+            on_error(value if isinstance(value, Exception) else FTError(f"{type(value).__name__}: {value}"))
+        finally:
+            _finish(out, default)
+
+    def expire() -> None:
+        finish(False, FTTimeoutError(f"{what} did not complete within {seconds:.3g}s (timeout); "
+                                     f"a peer may be dead or hung"))
+
+    handle = _TIMER.schedule(seconds, expire)
+
+    def on_done(f: AnyFuture) -> None:
+        _TIMER.cancel(handle)
+        ok, value = _outcome(f)
+        if ok and fn is not None:
+            try:
+                value = fn(value)
+            except BaseException as exc:  # noqa: BLE001 - carried to on_error
+                ok, value = False, exc
+        finish(ok, value)
+
+    _add_done(fut, on_done)
+    return out
+
+
 @contextmanager
 def context_timeout(callback: Callable[[], None], timeout: timedelta | float) -> Iterator[None]:
     """Run `callback` (e.g. abort a process group) if the block is still running after `timeout`."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -161,7 +162,7 @@ class Manager:
             self._replica_id = store.get("replica_id").decode()
             self._client = ManagerClient(store.get("manager_addr").decode(), cfg.connect_timeout, token=cfg.token)
         if self._server is not None:  # the lighthouse's PeerLost notices fail this quorum's step at once
-            self._server.add_failure_listener(self._on_peer_lost)
+            self._server.add_failure_listener(functools.partial(redo.on_peer_lost, self))  # ft_core.redo
 
     # ----------------------------------------------------------------- state registry
 
@@ -211,16 +212,13 @@ class Manager:
 
     def wrap_future(self, fut: Any, default: Any, timeout: timedelta | float | None = None) -> torch.futures.Future:
         """A future that never fails: fut's value, or `default` after recording the error or timeout."""
-        timed = ft_futures.future_timeout(fut, timeout if timeout is not None else self.config.timeout,
-                                          what=f"{self._prefix()} wrapped future")
-        return ft_futures.recover(timed, default, self.report_error)
+        return ft_futures.settled(fut, default, self.report_error,
+                                  timeout if timeout is not None else self.config.timeout,
+                                  what=f"{self._prefix()} wrapped future")
 
     def _on_collective_error(self, e: BaseException) -> None:
         self.report_error(e if isinstance(e, Exception) else FTError(str(e)), peer_lost=not isinstance(e, TimeoutError))
         self._break_pg()
-
-    def _on_peer_lost(self, quorum_id: int, replica_id: str) -> None:
-        redo.on_peer_lost(self, quorum_id, replica_id)  # fails this quorum's step at once (ft_core.redo)
 
     def _break_pg(self) -> None:
         """Skip this step's remaining collectives, rebuild the group at the next quorum, and abort it
@@ -235,6 +233,10 @@ class Manager:
                 self._executor.submit(self._abort_pg)
             except RuntimeError:  # executor already shut down
                 pass
+
+    def _clear_errors(self) -> None:  # a new step, or a redo of this one
+        with self._error_lock:
+            self._errored, self._pg_broken = None, False
 
     def _abort_pg(self) -> None:
         try:
@@ -251,9 +253,7 @@ class Manager:
             previous = self._finished_quorum(self._quorum_future)
             if previous is not None:  # normally already raised by should_commit(); a new step starts clean
                 logger.info("%s previous quorum had failed: %s", self._prefix(), previous)
-        with self._error_lock:
-            self._errored = None
-            self._pg_broken = False
+        self._clear_errors()
         self._healing = False
         self._heal = None  # a heal not applied by the last step is fetched again
         self._voted = False
@@ -279,10 +279,10 @@ class Manager:
 
     def _finished_quorum(self, fut: concurrent.futures.Future) -> BaseException | None:
         """Wait (bounded) for a quorum thread's run to end; its error, or None."""
-        bound = self._quorum_timeout_s + 3 * self.config.timeout.total_seconds() + _MARGIN_S
-        done, _ = concurrent.futures.wait([fut], timeout=bound)
-        if not done:
-            raise FTTimeoutError(f"{self._prefix()} quorum (and healing) did not finish within {bound:.3g}s")
+        if not fut.done():  # the usual case is done: every reduction of the step asks, long after the quorum
+            bound = self._quorum_timeout_s + 3 * self.config.timeout.total_seconds() + _MARGIN_S
+            if not concurrent.futures.wait([fut], timeout=bound)[0]:
+                raise FTTimeoutError(f"{self._prefix()} quorum (and healing) did not finish within {bound:.3g}s")
         return fut.exception()
 
     def _quorum_call(self, shrink_only: bool, timeout_s: float) -> QuorumResult:
@@ -299,30 +299,22 @@ class Manager:
         started = time.perf_counter()
         result = self._quorum_call(shrink_only, timeout_s)  # errors propagate to wait_quorum
         quorum_s = time.perf_counter() - started
-        plan = self._round = rules.on_quorum(self._state, result, allow_heal=allow_heal,
-                                             use_async_quorum=cfg.use_async_quorum, init_sync=cfg.init_sync,
-                                             mode=cfg.world_size_mode, min_replica_size=cfg.min_replica_size)
+        plan = self._round = self._plan(result, allow_heal)
         world, self._redo.quorum_ids = plan.num_participants, tuple(result.replica_ids)
-        if plan.reconfigure or plan.heal or plan.send_to:
+        notable = bool(plan.reconfigure or plan.heal or plan.send_to)  # else routine: logged at DEBUG only
+        if notable:
             logger.info("%s quorum %d: replica rank %d/%d, participants %d, max_step %d, heal=%s, sends to %s",
                         self._prefix(), result.quorum_id, result.replica_rank, result.replica_world_size, world,
                         result.max_step, plan.heal, list(plan.send_to))
-        self._emit("quorum", not (plan.reconfigure or plan.heal or plan.send_to), quorum_id=result.quorum_id,
-                   replica_rank=result.replica_rank, replica_world_size=result.replica_world_size,
-                   num_participants=world, max_step=result.max_step, heal=plan.heal, seconds=quorum_s,
-                   changed=plan.reconfigure, replica_ids=list(result.replica_ids))
+        self._emit("quorum", routine=not notable, quorum_id=result.quorum_id, replica_rank=result.replica_rank,
+                   replica_world_size=result.replica_world_size, num_participants=world, max_step=result.max_step,
+                   heal=plan.heal, seconds=quorum_s, changed=plan.reconfigure, replica_ids=list(result.replica_ids))
         if plan.reconfigure:
-            store = f"{result.store_address}/ft/{result.quorum_id}/{cfg.group_rank}"
             try:
-                self._pg.configure(store, cfg.replica_id, result.replica_rank, result.replica_world_size,
-                                   quorum_id=result.quorum_id, group_rank=cfg.group_rank,
-                                   group_world_size=cfg.group_world_size)
+                self._configure_pg(result)
             except Exception as exc:
-                self._pg_broken = True
-                self._state = rules.on_configure_failed(self._state)
                 self.report_error(exc)
                 return
-            self._state = rules.on_configured(self._state, result.quorum_id)
         if plan.send_to:
             try:
                 self._transport.send_checkpoint(list(plan.send_to), result.max_step, self.healing_state(),
@@ -335,6 +327,25 @@ class Manager:
                 self._heal = self._heal_sources.fetch(result, cfg.group_rank, self._transport, cfg.timeout)
             except Exception as exc:
                 self.report_error(exc)
+
+    def _plan(self, result: QuorumResult, allow_heal: bool) -> rules.QuorumActions:
+        cfg = self.config
+        return rules.on_quorum(self._state, result, allow_heal=allow_heal, use_async_quorum=cfg.use_async_quorum,
+                               init_sync=cfg.init_sync, mode=cfg.world_size_mode, min_replica_size=cfg.min_replica_size)
+
+    def _configure_pg(self, result: QuorumResult) -> None:
+        """Rebuild the cross-group process group for `result`'s quorum; a failure breaks it and propagates."""
+        cfg = self.config
+        store = f"{result.store_address}/ft/{result.quorum_id}/{cfg.group_rank}"
+        try:
+            self._pg.configure(store, cfg.replica_id, result.replica_rank, result.replica_world_size,
+                               quorum_id=result.quorum_id, group_rank=cfg.group_rank,
+                               group_world_size=cfg.group_world_size)
+        except Exception:
+            self._pg_broken = True
+            self._state = rules.on_configure_failed(self._state)
+            raise
+        self._state = rules.on_configured(self._state, result.quorum_id)
 
     def _apply_pending_state_dict(self) -> None:
         if self._heal is not None and not self._heal.loaded:
@@ -389,14 +400,11 @@ class Manager:
             opts = dist.AllreduceOptions()
             opts.reduceOp = ReduceOp.SUM if reduce_op == ReduceOp.AVG else reduce_op
             work = self._pg.allreduce([tensor], opts)
-            if reduce_op == ReduceOp.AVG:
-                fut = ft_futures.chain(work.get_future(), lambda _v: tensor.div_(max(n, 1)))
-            else:
-                fut = ft_futures.chain(work.get_future(), lambda _v: tensor)
-            timed = ft_futures.future_timeout(fut, self.config.timeout, what=f"{self._prefix()} allreduce")
+            done = (lambda _v: tensor.div_(max(n, 1))) if reduce_op == ReduceOp.AVG else (lambda _v: tensor)
             failed = self._on_collective_error if rec is None or role is not rules.Contribution.OWN else \
                 (lambda e, rec=rec: (redo.restore_input(rec, e), self._on_collective_error(e)))
-            return ft_futures.recover(timed, tensor, failed)
+            return ft_futures.settled(work.get_future(), tensor, failed, self.config.timeout, done,
+                                      what=f"{self._prefix()} allreduce")
         except Exception as exc:
             self._on_collective_error(exc)
             return ft_futures.completed_future(tensor)
@@ -439,7 +447,7 @@ class Manager:
                 self._break_pg()
             logger.warning("%s step not committed (participants %d, min %d, error %s); consecutive failures %d",
                            self._prefix(), n, self.config.min_replica_size, self._errored, self._state.commit_failures)
-        self._emit("commit", decision, committed=decision, num_participants=n)
+        self._emit("commit", routine=decision, committed=decision, num_participants=n)
         if unreduced is not None:
             raise unreduced
         if actions.give_up:

@@ -162,7 +162,7 @@ def restore_input(rec: Reduction, error: BaseException) -> None:
         try:
             rec.intact = bool(restore())
         except Exception as exc:  # then it cannot be redone; the step fails as without redo
-            logger.info("restoring a failed reduction's input failed: %s", exc)
+            logger.warning("restoring a failed reduction's input failed, so this step cannot be redone: %s", exc)
 
 
 def pg_error(pg: Any) -> Exception | None:
@@ -184,9 +184,7 @@ def redo_step(m: "Manager") -> bool:
     log.redone = True
     lost = m._errored
     started = time.perf_counter()
-    with m._error_lock:
-        m._errored = None
-        m._pg_broken = False
+    m._clear_errors()
     logger.info("%s step lost a peer (%s); forming the quorum again to redo its %d reduction(s)", m._prefix(),
                 lost, len(log.records))
     m._quorum_future = fut = m._executor.submit(_redo_quorum, m, log.quorum_ids)
@@ -225,26 +223,15 @@ def redo_step(m: "Manager") -> bool:
 def _redo_quorum(m: "Manager", old_ids: tuple[str, ...]) -> tuple[rules.RedoRole, int]:
     """On the quorum thread: the quorum for the same step, shrink only; rebuild the process group for it
     (also when abandoning, so the peers' rebuild does not wait for us to its timeout)."""
-    cfg = m.config
     result = m._quorum_call(True, m._quorum_timeout_s)
-    plan = rules.on_quorum(m._state, result, allow_heal=m._redo.allow_heal, use_async_quorum=cfg.use_async_quorum,
-                           init_sync=cfg.init_sync, mode=cfg.world_size_mode, min_replica_size=cfg.min_replica_size)
+    plan = m._plan(result, m._redo.allow_heal)
     role = rules.redo_role(m._state, result, old_ids)
     logger.info("%s redo quorum %d: %s, participants %d of %s", m._prefix(), result.quorum_id, role.value,
                 plan.num_participants, list(result.replica_ids))
     m._round = plan if role is rules.RedoRole.REPLAY else m._round
     m._redo.quorum_ids = tuple(result.replica_ids)
     if plan.reconfigure:
-        store = f"{result.store_address}/ft/{result.quorum_id}/{cfg.group_rank}"
-        try:
-            m._pg.configure(store, cfg.replica_id, result.replica_rank, result.replica_world_size,
-                            quorum_id=result.quorum_id, group_rank=cfg.group_rank,
-                            group_world_size=cfg.group_world_size)
-        except Exception:
-            m._pg_broken = True
-            m._state = rules.on_configure_failed(m._state)
-            raise
-        m._state = rules.on_configured(m._state, result.quorum_id)
+        m._configure_pg(result)  # a failure propagates to wait_quorum
     return role, plan.num_participants
 
 

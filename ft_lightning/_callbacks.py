@@ -59,11 +59,7 @@ def reduce_op_name(reduce_op: Any) -> str | None:
     if isinstance(reduce_op, str):
         name = reduce_op.lower()
         return "mean" if name in ("mean", "avg") else name if name in _OPS else None
-    for name, op in (("sum", dist.ReduceOp.SUM), ("mean", dist.ReduceOp.AVG), ("max", dist.ReduceOp.MAX),
-                     ("min", dist.ReduceOp.MIN)):
-        if reduce_op == op:
-            return name
-    return None
+    return next((name for name, op in _OPS.items() if reduce_op == op), None)
 
 
 def static_leader(replica_group_id: int, group_rank: int) -> bool:
@@ -132,8 +128,9 @@ class LiveQuorum:
         except Exception as exc:  # noqa: BLE001 - any failure: the local answer (the step fails on its own)
             self._fallback(f"the step's reduction raised {exc!r}")
             return None
-        if self._manager.errored() is not None:  # the step will not commit either
-            self._fallback(f"the step failed ({self._manager.errored()})")
+        error = self._manager.errored()
+        if error is not None:  # the step will not commit either
+            self._fallback(f"the step failed ({error})")
             return None
         return work.to(tensor.dtype) if work.dtype != tensor.dtype and op != "mean" else work
 

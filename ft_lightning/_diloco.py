@@ -18,7 +18,7 @@ The same strategy for `pytorch_lightning` and for Fabric: `ft_lightning._diloco_
 
 from __future__ import annotations
 
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from ft_lightning._diloco_mixins import (
     DILOCO_STRATEGY_NAME,
@@ -32,3 +32,6 @@ __all__ = ["DILOCO_STRATEGY_NAME", "FaultTolerantDiLoCoStrategy", "default_outer
 
 class FaultTolerantDiLoCoStrategy(FaultTolerantDiLoCoTrainerMixin, DDPStrategy):
     __doc__ = FaultTolerantDiLoCoTrainerMixin.__doc__
+
+
+FaultTolerantDiLoCoStrategy.register_strategies(StrategyRegistry)  # "fault_tolerant_diloco"

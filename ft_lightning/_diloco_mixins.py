@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,10 +24,13 @@ from torch import nn
 
 from ft_core import DiLoCo
 from ft_core.errors import ConfigError
-from ft_lightning import _progress
-from ft_lightning._common import capture_rng
+from ft_lightning._diloco_options import (
+    DiLoCoOptions,
+    default_outer_optimizer,
+    split_fragments,
+)
 from ft_lightning._fabric_strategy import FaultTolerantFabricMixin
-from ft_lightning._trainer_strategy import FaultTolerantTrainerMixin
+from ft_lightning._trainer_strategy import FaultTolerantTrainerMixin, window_state
 
 logger = logging.getLogger(__name__)
 
@@ -39,73 +41,20 @@ DILOCO_STRATEGY_NAME = "fault_tolerant_diloco"
 _DESCRIPTION = "DDP inside one replica group, fault-tolerant DiLoCo across groups (ft_lightning)"
 
 
-def default_outer_optimizer(params: Any) -> torch.optim.Optimizer:
-    """The DiLoCo paper's outer optimizer: Nesterov SGD, lr 0.7, momentum 0.9."""
-    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
-
-
-def split_fragments(module: nn.Module, n: int) -> list[nn.Module]:
-    """The module's leaf modules that hold parameters, in order, cut into n contiguous fragments."""
-    if n == 1:
-        return [module]
-    leaves = [m for m in module.modules() if not list(m.children()) and any(True for _ in m.parameters(recurse=False))]
-    if len(leaves) < n:
-        raise ConfigError(f"fragments={n} but the model has only {len(leaves)} modules with parameters; pass fewer "
-                          f"fragments or a function returning the fragment modules")
-    bounds = [round(i * len(leaves) / n) for i in range(n + 1)]
-    groups = [leaves[a:b] for a, b in zip(bounds, bounds[1:])]
-    return [g[0] if len(g) == 1 else nn.ModuleList(g) for g in groups]
-
-
-@dataclass(frozen=True)
-class DiLoCoOptions:
-    """DiLoCo's arguments (torchft's names) for a strategy; see `ft_core.DiLoCo`.
-
-    outer_optimizer: a function of a fragment's parameters returning its outer optimizer (default
-    Nesterov SGD, lr 0.7, momentum 0.9), called once per fragment. fragments: a count (contiguous runs
-    of the model's leaf modules) or a function of the model returning the fragment modules."""
-
-    sync_every: int = 100
-    outer_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
-    fragments: int | Callable[[nn.Module], list[nn.Module]] = 1
-    fragment_sync_delay: int = 0
-    fragment_update_alpha: float = 0.0
-    use_bucketization: bool = True
-    bucket_cap_mb: float | None = None
-
-    def __post_init__(self) -> None:
-        if not callable(self.fragments) and (isinstance(self.fragments, bool) or not isinstance(self.fragments, int)
-                                             or self.fragments < 1):
-            raise ConfigError(f"fragments must be >= 1 or a function returning the fragment modules, "
-                              f"got {self.fragments!r}")
-
-    @staticmethod
-    def synchronous_quorum(kwargs: dict[str, Any], who: str) -> dict[str, Any]:
-        """`kwargs` with use_async_quorum=False; a request for an async quorum is an error naming the fix."""
-        if kwargs.get("use_async_quorum"):
-            raise ConfigError(f"{who} needs a synchronous quorum (a healing group loads the global copy before "
-                              "its pseudo-gradients are computed): drop use_async_quorum=True")
-        return {**kwargs, "use_async_quorum": False}
-
-    def build(self, manager: Any, model: nn.Module, inner: torch.optim.Optimizer
-              ) -> tuple[DiLoCo, list[torch.optim.Optimizer]]:
-        """DiLoCo over `model`'s fragments with `inner` as its inner optimizer, entered (its hooks are on)."""
-        fragments = list(self.fragments(model)) if callable(self.fragments) else split_fragments(model, self.fragments)
-        factory = self.outer_optimizer or default_outer_optimizer
-        outer = [factory(f.parameters()) for f in fragments]
-        diloco = DiLoCo(manager, fragments, inner, outer, sync_every=self.sync_every,
-                        fragment_sync_delay=self.fragment_sync_delay,
-                        fragment_update_alpha=self.fragment_update_alpha,
-                        use_bucketization=self.use_bucketization, bucket_cap_mb=self.bucket_cap_mb)
-        diloco.__enter__()
-        return diloco, outer
-
-
 class _DiLoCoStrategyMixin:
-    """What both DiLoCo strategies share: the options, the DiLoCo object, the name they register."""
+    """What both DiLoCo strategies share: the arguments, the DiLoCo object, the name they register."""
 
-    _diloco: DiLoCo | None
-    outer_optimizers: list[torch.optim.Optimizer]
+    def __init__(self, lighthouse_addr: str | None = None, *, sync_every: int = 100,
+                 outer_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+                 fragments: int | Callable[[nn.Module], list[nn.Module]] = 1, fragment_sync_delay: int = 0,
+                 fragment_update_alpha: float = 0.0, use_bucketization: bool = True,
+                 bucket_cap_mb: float | None = None, **kwargs: Any) -> None:
+        kwargs = DiLoCoOptions.synchronous_quorum(kwargs, DILOCO_STRATEGY_NAME)
+        self._diloco_options = DiLoCoOptions(sync_every, outer_optimizer, fragments, fragment_sync_delay,
+                                             fragment_update_alpha, use_bucketization, bucket_cap_mb)
+        super().__init__(lighthouse_addr, **kwargs)  # type: ignore[call-arg]
+        self._diloco: DiLoCo | None = None
+        self.outer_optimizers: list[torch.optim.Optimizer] = []
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -136,18 +85,6 @@ class FaultTolerantDiLoCoTrainerMixin(_DiLoCoStrategyMixin, FaultTolerantTrainer
         fragment_sync_delay, fragment_update_alpha, use_bucketization, bucket_cap_mb: as in `ft_core.DiLoCo`.
     """
 
-    def __init__(self, lighthouse_addr: str | None = None, *, sync_every: int = 100,
-                 outer_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
-                 fragments: int | Callable[[nn.Module], list[nn.Module]] = 1, fragment_sync_delay: int = 0,
-                 fragment_update_alpha: float = 0.0, use_bucketization: bool = True,
-                 bucket_cap_mb: float | None = None, **kwargs: Any) -> None:
-        kwargs = DiLoCoOptions.synchronous_quorum(kwargs, DILOCO_STRATEGY_NAME)
-        self._diloco_options = DiLoCoOptions(sync_every, outer_optimizer, fragments, fragment_sync_delay,
-                                             fragment_update_alpha, use_bucketization, bucket_cap_mb)
-        super().__init__(lighthouse_addr, **kwargs)
-        self._diloco = None
-        self.outer_optimizers = []
-
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         if self._manager is None or trainer.state.fn != "fit":
@@ -167,8 +104,7 @@ class FaultTolerantDiLoCoTrainerMixin(_DiLoCoStrategyMixin, FaultTolerantTrainer
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super(FaultTolerantTrainerMixin, self).on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
         if self._manager is not None:  # what a healing group adopts if a sync inside this batch heals it
-            trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
-            self._window_snapshot = {"loops": _progress.snapshot(trainer), "rng": capture_rng()}
+            self._window_snapshot = window_state(self.lightning_module.trainer)  # type: ignore[attr-defined]
 
     def pre_backward(self, closure_loss: Any) -> None:
         super(FaultTolerantTrainerMixin, self).pre_backward(closure_loss)  # type: ignore[misc]
@@ -200,18 +136,6 @@ class FaultTolerantFabricDiLoCoMixin(_DiLoCoStrategyMixin, FaultTolerantFabricMi
     `register_state(...)` objects (e.g. the loop's position), the global copies, outer optimizer state
     and schedule; drive the loop from such a registered position so a healed group goes on from its peers'.
     """
-
-    def __init__(self, lighthouse_addr: str | None = None, *, sync_every: int = 100,
-                 outer_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
-                 fragments: int | Callable[[nn.Module], list[nn.Module]] = 1, fragment_sync_delay: int = 0,
-                 fragment_update_alpha: float = 0.0, use_bucketization: bool = True,
-                 bucket_cap_mb: float | None = None, **kwargs: Any) -> None:
-        kwargs = DiLoCoOptions.synchronous_quorum(kwargs, DILOCO_STRATEGY_NAME)
-        self._diloco_options = DiLoCoOptions(sync_every, outer_optimizer, fragments, fragment_sync_delay,
-                                             fragment_update_alpha, use_bucketization, bucket_cap_mb)
-        super().__init__(lighthouse_addr, **kwargs)
-        self._diloco = None
-        self.outer_optimizers = []
 
     def setup_module(self, module: Any) -> Any:
         if self._ft_modules:

@@ -36,11 +36,6 @@ TARGETS: dict[str, tuple[str, str, str, str]] = {
                          "lightning_fabric.strategies", "STRATEGY_REGISTRY"),
 }
 
-# namespace -> sibling strategies registered with the main one: (our module, class)
-SIBLINGS: dict[str, tuple[tuple[str, str], ...]] = {
-    "lightning.pytorch": (("ft_lightning._diloco", "FaultTolerantDiLoCoStrategy"),),  # "fault_tolerant_diloco"
-}
-
 _done: set[str] = set()
 
 
@@ -59,8 +54,6 @@ def register(namespace: str, cls: Any = None) -> bool:
             cls = getattr(importlib.import_module(ours), class_name)
         registry = getattr(importlib.import_module(registry_module), registry_name)
         cls.register_strategies(registry)
-        for module_name, sibling in SIBLINGS.get(namespace, ()):
-            getattr(importlib.import_module(module_name), sibling).register_strategies(registry)
     except Exception as exc:  # noqa: BLE001 - never break the user's `import lightning` because of us
         import logging
 

@@ -46,6 +46,11 @@ from ft_lightning._strategy_base import FTStrategyBase
 logger = logging.getLogger(__name__)
 
 
+def window_state(trainer: Any) -> dict[str, Any]:
+    """The loop counters and RNG states now, taken at a step start: what a group healing from this step adopts."""
+    return {"loops": _progress.snapshot(trainer), "rng": capture_rng()}
+
+
 class FaultTolerantTrainerMixin(FTStrategyBase):
     """Fault tolerance across replica groups for a Lightning `DDPStrategy` (see the module docstring).
 
@@ -216,7 +221,7 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
     def _open_window(self, trainer: Any) -> None:
         # Taken on this (main) thread: the healing state may be read on the Manager's thread while
         # the loop counters and RNG move on.
-        self._window_snapshot = {"loops": _progress.snapshot(trainer), "rng": capture_rng()}
+        self._window_snapshot = window_state(trainer)
         self._commit = None
         self._window_open = True
         self._manager.start_quorum()
@@ -321,7 +326,7 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
         snap = self._window_snapshot
         if snap is None:
-            snap = {"loops": _progress.snapshot(trainer), "rng": capture_rng()}
+            snap = window_state(trainer)
         return {
             "model": to_transport(self.lightning_module.state_dict(), clone=True, where="model"),  # type: ignore[attr-defined]
             "optimizers": [to_transport(self.optimizer_state(o), clone=True, where="optimizer")  # type: ignore[attr-defined]

@@ -11,25 +11,12 @@ from __future__ import annotations
 import argparse
 import glob
 import hashlib
-import json
 import os
 import sys
 import time
 
 import torch
-
-
-class Indexed(torch.utils.data.Dataset):
-    """Sample i is (features derived from i, i): the ledger reads the index back from the batch."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        return torch.full((4,), float(i % 17) / 17.0), i
+from _ledger_common import Indexed, Ledger, fingerprint
 
 
 def newest(directory: str) -> str | None:
@@ -46,7 +33,8 @@ def main() -> int:
     p.add_argument("--global-batch-size", type=int, default=None)
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--step-sleep", type=float, default=0.0)
-    p.add_argument("--fast-file", default=None, help="once this file exists, steps no longer sleep")
+    p.add_argument("--gate", default=None, help="if given, steps sleep only while this file exists (from --gate-epoch on)")
+    p.add_argument("--gate-epoch", type=int, default=0)
     p.add_argument("--save", default=None, help="save_state directory root (one step_N folder per save)")
     p.add_argument("--save-every", type=int, default=5)
     p.add_argument("--resume", action="store_true")
@@ -75,42 +63,30 @@ def main() -> int:
     save_root = os.path.join(args.save, f"group{accelerator.ft.replica_group_id}") if args.save else None
     if args.resume and save_root and newest(save_root):
         accelerator.load_state(newest(save_root))
-    ledger = open(args.ledger.format(rank=rank), "a", buffering=1)  # noqa: SIM115 (open until exit)
-
-    def fingerprint() -> str:
-        """The committed data position, as a short digest (links a step to the one before it)."""
-        return hashlib.sha1(json.dumps(sampler.state_dict()["position"]).encode()).hexdigest()[:16]
-
-    ledger.write(json.dumps({"kind": "start", "step": accelerator.ft_step, "epoch": sampler.epoch,
-                             "position": fingerprint()}) + "\n")
+    ledger = Ledger(args.ledger.format(rank=rank))
+    ledger.write("start", step=accelerator.ft_step, epoch=sampler.epoch, position=fingerprint(sampler))
     for epoch in range(args.epochs):
         for x, idx in loader:
-            before = fingerprint()
+            before = fingerprint(sampler)
             loss = model(x).pow(2).mean()
             accelerator.backward(loss)  # the exactly-once check: the loss counts only for the step's assignment
-            rec = sampler.last_batch
-            assert rec is not None
-            if rec.valid:
-                assert sorted(idx.tolist()) == sorted(rec.indices), (idx.tolist(), rec.indices)
-            ledger.write(json.dumps({"kind": "attempt", "step": rec.step, "epoch": rec.epoch, "loop_epoch": epoch,
-                                     "indices": list(rec.indices), "rank": rec.participating_rank,
-                                     "n": rec.num_participants, "valid": rec.valid, "held": list(rec.held),
-                                     "consumed": list(rec.consumed), "batch": len(idx), "before": before}) + "\n")
+            assert sampler.last_batch is not None
+            ledger.attempt(sampler.last_batch, idx.tolist(), before, loop_epoch=epoch)
             optimizer.step()  # votes; applies only on commit
             optimizer.zero_grad()
             committed = not accelerator.optimizer_step_was_skipped
-            ledger.write(json.dumps({"kind": "outcome", "committed": committed, "step": accelerator.ft_step,
-                                     "after": fingerprint()}) + "\n")
+            ledger.write("outcome", committed=committed, step=accelerator.ft_step, after=fingerprint(sampler))
             if save_root and committed and accelerator.ft_step % args.save_every == 0:
                 accelerator.save_state(os.path.join(save_root, f"step_{accelerator.ft_step}"))
-            if args.step_sleep and not (args.fast_file and os.path.exists(args.fast_file)):
+            gated = args.gate is None or (sampler.epoch >= args.gate_epoch and os.path.exists(args.gate))
+            if args.step_sleep and gated:
                 time.sleep(args.step_sleep)
         scheduler.step()  # once per epoch, as a typical script does
     if save_root and args.save_final:
         accelerator.save_state(os.path.join(save_root, f"step_{accelerator.ft_step}"))
     weights = hashlib.sha1(b"".join(t.detach().numpy().tobytes() for t in model.state_dict().values())).hexdigest()
-    ledger.write(json.dumps({"kind": "done", "step": accelerator.ft_step, "epoch": sampler.epoch,
-                             "position": fingerprint(), "lr": scheduler.get_last_lr(), "weights": weights}) + "\n")
+    ledger.write("done", step=accelerator.ft_step, epoch=sampler.epoch, position=fingerprint(sampler),
+                 lr=scheduler.get_last_lr(), weights=weights)
     accelerator.end_training()
     return 0
 

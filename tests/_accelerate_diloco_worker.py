@@ -8,29 +8,18 @@ DiLoCo's global copies and outer optimizer state. --kill-at-step SIGKILLs it aft
 from __future__ import annotations
 
 import argparse
-import json
-import logging
-import os
 
 import torch
 
 torch.set_num_threads(1)
 
-from ft_lightning.accelerate import FaultTolerancePlugin
-from ft_lightning.accelerate import DiLoCoPlugin, FaultTolerantDiLoCoAccelerator
+from _diloco_common import count_votes, kill_self, write_summary
 
-
-class Votes(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)  # a committed step's event is DEBUG (routine)
-        self.votes = 0
-        self.heals = 0
-
-    def emit(self, record: logging.LogRecord) -> None:
-        event = getattr(record, "ft_event", None)
-        if isinstance(event, dict):
-            self.votes += event.get("type") == "commit"
-            self.heals += event.get("type") == "heal"
+from ft_lightning.accelerate import (
+    DiLoCoPlugin,
+    FaultTolerancePlugin,
+    FaultTolerantDiLoCoAccelerator,
+)
 
 
 def main() -> None:
@@ -41,10 +30,7 @@ def main() -> None:
     p.add_argument("--syncs", type=int, default=8)
     p.add_argument("--kill-at-step", type=int, default=None)
     args = p.parse_args()
-    votes = Votes()
-    events = logging.getLogger("ft_core.events")
-    events.setLevel(logging.DEBUG)
-    events.addHandler(votes)
+    votes = count_votes()
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
@@ -65,19 +51,10 @@ def main() -> None:
         optimizer.zero_grad()
         steps += 1
         if args.kill_at_step is not None and steps >= args.kill_at_step:
-            print(f"SIGKILL after inner step {steps}", flush=True)
-            os.kill(os.getpid(), 9)
-    state = manager.healing_state()["user"]
-    fragments = {key: {"original_parameters": {n: t.tolist() for n, t in value["original_parameters"].items()},
-                       "outer_optimizer": {str(i): {k: v.tolist() for k, v in s.items()}
-                                           for i, s in value["outer_optimizer"]["state"].items()}}
-                 for key, value in state.items() if key.startswith("StreamingDiLoCoFragment_")}
-    summary = {"group": args.group, "steps": steps, "manager_step": manager.current_step(),
-               "allreduces": accelerator.ft_stats["cross_group_allreduces"], "votes": votes.votes,
-               "heals": votes.heals, "fragments": fragments}
+            kill_self(steps)
+    allreduces = accelerator.ft_stats["cross_group_allreduces"]
+    write_summary(args.out, args.group, args.incarnation, manager, votes, steps=steps, allreduces=allreduces)
     accelerator.end_training()
-    with open(os.path.join(args.out, f"summary_g{args.group}_i{args.incarnation}.json"), "w") as f:
-        json.dump(summary, f)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,6 @@ is written every `--save-every` committed steps when `--save` is given, and load
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import os
 import sys
 import time
@@ -20,25 +18,13 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from _ledger_common import Indexed, Ledger, fingerprint
 
 from ft_core.data import DistributedSampler
 from ft_core.ddp import DistributedDataParallel
 from ft_core.manager import Manager
 from ft_core.optim import OptimizerWrapper
 from ft_core.process_groups import ProcessGroupGloo
-
-
-class Indexed(torch.utils.data.Dataset):
-    """Sample i is (features derived from i, i): the ledger reads the index back from the batch."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        return torch.full((4,), float(i % 17) / 17.0), i
 
 
 def main() -> int:
@@ -90,14 +76,8 @@ def main() -> int:
     # Workers are spawned, not forked: the Manager's gRPC threads make fork() unsafe.
     extra = {"multiprocessing_context": "spawn", "persistent_workers": True} if args.workers else {}
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=args.workers, **extra)
-    ledger = open(args.ledger.format(rank=rank), "a", buffering=1)  # noqa: SIM115 (open until exit)
-
-    def fingerprint() -> str:
-        """The committed data position, as a short digest (links a step to the one before it)."""
-        return hashlib.sha1(json.dumps(sampler.state_dict()["position"]).encode()).hexdigest()[:16]
-
-    ledger.write(json.dumps({"kind": "start", "step": manager.current_step(), "epoch": sampler.epoch,
-                             "position": fingerprint()}) + "\n")
+    ledger = Ledger(args.ledger.format(rank=rank))
+    ledger.write("start", step=manager.current_step(), epoch=sampler.epoch, position=fingerprint(sampler))
 
     def done() -> bool:
         if args.stop_at_step is not None and manager.current_step() >= args.stop_at_step:
@@ -107,23 +87,16 @@ def main() -> int:
     while not done():
         for x, idx in loader:
             optimizer.zero_grad()  # starts the quorum
-            before = fingerprint()
+            before = fingerprint(sampler)
             weight = sampler.loss_weight()
-            rec = sampler.last_batch
-            assert rec is not None
-            if rec.valid:
-                assert sorted(idx.tolist()) == sorted(rec.indices), (idx.tolist(), rec.indices)
-            ledger.write(json.dumps({"kind": "attempt", "step": rec.step, "epoch": rec.epoch,
-                                     "indices": list(rec.indices), "rank": rec.participating_rank,
-                                     "n": rec.num_participants, "valid": rec.valid, "held": list(rec.held),
-                                     "consumed": list(rec.consumed), "batch": len(idx), "before": before}) + "\n")
+            assert sampler.last_batch is not None
+            ledger.attempt(sampler.last_batch, idx.tolist(), before)
             loss = ddp(x).pow(2).mean() * weight
             loss.backward()
             optimizer.step()  # votes; steps only on commit
             final = sampler.last_batch  # a step redone without a lost peer re-reads who held its batch
-            ledger.write(json.dumps({"kind": "outcome", "committed": bool(optimizer.committed),
-                                     "step": manager.current_step(), "after": fingerprint(),
-                                     "held": list(final.held), "consumed": list(final.consumed)}) + "\n")
+            ledger.write("outcome", committed=bool(optimizer.committed), step=manager.current_step(),
+                         after=fingerprint(sampler), held=list(final.held), consumed=list(final.consumed))
             if save_path and optimizer.committed and manager.current_step() % args.save_every == 0:
                 tmp = f"{save_path}.{os.getpid()}.tmp"  # every group writes the same file: one tmp each
                 torch.save({"manager": manager.state_dict(), "sampler": sampler.state_dict(),
@@ -135,8 +108,7 @@ def main() -> int:
                 time.sleep(1.0)  # the test is still killing: stay in the epochs where kills are checked
             if done():
                 break
-    ledger.write(json.dumps({"kind": "done", "step": manager.current_step(), "epoch": sampler.epoch,
-                             "position": fingerprint()}) + "\n")
+    ledger.write("done", step=manager.current_step(), epoch=sampler.epoch, position=fingerprint(sampler))
     manager.shutdown()
     if world > 1:
         dist.destroy_process_group()

@@ -8,8 +8,6 @@ which carries the Manager's step and the sampler's position; `--resume` loads it
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import logging
 import os
 import sys
@@ -19,22 +17,12 @@ import torch
 
 torch.set_num_threads(1)
 
+from _ledger_common import Indexed, Ledger, fingerprint
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
 import ft_lightning  # noqa: F401  (registers "fault_tolerant_ddp")
 from ft_core.data import DistributedSampler
-
-
-class Indexed(torch.utils.data.Dataset):
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        return torch.full((4,), float(i % 17) / 17.0), i
 
 
 def main() -> int:
@@ -66,38 +54,24 @@ def main() -> int:
         fabric.load(save_path, {"model": model, "optimizer": optimizer})
     loader = fabric.setup_dataloaders(DataLoader(dataset, batch_sampler=sampler), use_distributed_sampler=False)
     assert strategy.data_sampler is sampler
-    ledger = open(args.ledger.format(rank=0), "a", buffering=1)  # noqa: SIM115 (open until exit)
-
-    def fingerprint() -> str:
-        return hashlib.sha1(json.dumps(sampler.state_dict()["position"]).encode()).hexdigest()[:16]
-
-    ledger.write(json.dumps({"kind": "start", "step": manager.current_step(), "epoch": sampler.epoch,
-                             "position": fingerprint()}) + "\n")
+    ledger = Ledger(args.ledger.format(rank=0))
+    ledger.write("start", step=manager.current_step(), epoch=sampler.epoch, position=fingerprint(sampler))
     while sampler.epoch < args.epochs:
-        for x, _idx in loader:
-            idx = _idx.cpu()
-            before = fingerprint()
+        for x, idx in loader:
+            before = fingerprint(sampler)
             out = model(x)  # starts the quorum
             weight = sampler.loss_weight()
-            rec = sampler.last_batch
-            if rec.valid:
-                assert sorted(idx.tolist()) == sorted(rec.indices), (idx.tolist(), rec.indices)
-            ledger.write(json.dumps({"kind": "attempt", "step": rec.step, "epoch": rec.epoch,
-                                     "indices": list(rec.indices), "rank": rec.participating_rank,
-                                     "n": rec.num_participants, "valid": rec.valid, "held": list(rec.held),
-                                     "consumed": list(rec.consumed), "batch": len(idx), "before": before}) + "\n")
+            ledger.attempt(sampler.last_batch, idx.cpu().tolist(), before)
             fabric.backward(out.pow(2).mean() * weight)
             optimizer.step()
             optimizer.zero_grad()
             committed = bool(strategy.last_step_committed)
-            ledger.write(json.dumps({"kind": "outcome", "committed": committed, "step": manager.current_step(),
-                                     "after": fingerprint()}) + "\n")
+            ledger.write("outcome", committed=committed, step=manager.current_step(), after=fingerprint(sampler))
             if committed and manager.current_step() % args.save_every == 0:
                 fabric.save(save_path, {"model": model, "optimizer": optimizer})
             if args.step_sleep:
                 time.sleep(args.step_sleep)
-    ledger.write(json.dumps({"kind": "done", "step": manager.current_step(), "epoch": sampler.epoch,
-                             "position": fingerprint()}) + "\n")
+    ledger.write("done", step=manager.current_step(), epoch=sampler.epoch, position=fingerprint(sampler))
     strategy.shutdown()
     return 0
 

@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
-import os
 import sys
 
 import torch
 
 torch.set_num_threads(1)
 
+from _diloco_common import count_votes, kill_self, write_summary
 from torch.utils.data import DataLoader, TensorDataset
 
 from ft_core.manager import Manager
@@ -41,20 +40,6 @@ def _counted(self, tensor, reduce_op=torch.distributed.ReduceOp.AVG):  # type: i
 Manager._allreduce_future = _counted  # every cross-group reduction goes through here (real calls)
 
 
-class Votes(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)  # a committed step's event is DEBUG (routine)
-        self.commits = 0
-        self.heals = 0
-
-    def emit(self, record: logging.LogRecord) -> None:
-        event = getattr(record, "ft_event", None)
-        if isinstance(event, dict) and event.get("type") == "commit":
-            self.commits += 1
-        if isinstance(event, dict) and event.get("type") == "heal":
-            self.heals += 1
-
-
 def make_net() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 
@@ -63,11 +48,6 @@ def make_data(samples: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(samples, 8, generator=g)
     return x, x @ torch.linspace(-1, 1, 8).unsqueeze(1)
-
-
-def kill_self(step: int) -> None:
-    print(f"SIGKILL at inner step {step}", flush=True)
-    os.kill(os.getpid(), 9)
 
 
 def run_trainer(args: argparse.Namespace, namespace: str) -> tuple[object, int]:
@@ -161,10 +141,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--kill-at-step", type=int, default=None)
     args = p.parse_args()
-    votes = Votes()
-    events = logging.getLogger("ft_core.events")
-    events.setLevel(logging.DEBUG)
-    events.addHandler(votes)
+    votes = count_votes()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
     if args.framework == "fabric":
@@ -172,16 +149,8 @@ def main() -> None:
     else:
         strategy, inner_steps = run_trainer(args, "lightning.pytorch" if args.framework == "trainer"
                                             else "pytorch_lightning")
-    state = strategy.manager.healing_state()["user"]
-    fragments = {key: {"original_parameters": {n: t.tolist() for n, t in value["original_parameters"].items()},
-                       "outer_optimizer": {str(i): {k: v.tolist() for k, v in s.items()}
-                                           for i, s in value["outer_optimizer"]["state"].items()}}
-                 for key, value in state.items() if key.startswith("StreamingDiLoCoFragment_")}
-    summary = {"group": args.group, "framework": args.framework, "global_step": inner_steps,
-               "manager_step": strategy.manager.current_step(), "allreduces": ALLREDUCES[0],
-               "votes": votes.commits, "heals": votes.heals, "fragments": fragments}
-    with open(os.path.join(args.out, f"summary_g{args.group}_i{args.incarnation}.json"), "w") as f:
-        json.dump(summary, f)
+    write_summary(args.out, args.group, args.incarnation, strategy.manager, votes, framework=args.framework,
+                  global_step=inner_steps, allreduces=ALLREDUCES[0])
 
 
 if __name__ == "__main__":

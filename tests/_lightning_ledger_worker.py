@@ -5,8 +5,6 @@ batch the exactly-once sampler checked, whether it counted, and whether the step
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import logging
 import os
 import sys
@@ -17,19 +15,9 @@ import torch
 torch.set_num_threads(1)
 
 import lightning.pytorch as pl
+from _ledger_common import Indexed, Ledger, fingerprint
 
 from ft_lightning.strategy import FaultTolerantDDPStrategy
-
-
-class Indexed(torch.utils.data.Dataset):
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        return torch.full((4,), float(i % 17) / 17.0), i
 
 
 class Model(pl.LightningModule):
@@ -52,45 +40,34 @@ class Model(pl.LightningModule):
                                            persistent_workers=bool(self.args.workers))
 
 
-class Ledger(pl.Callback):
+class LedgerCallback(pl.Callback):
     def __init__(self, path: str, strategy: FaultTolerantDDPStrategy, sleep: float, gate: str | None = None,
                  gate_epoch: int = 0) -> None:
-        self.file = open(path, "a", buffering=1)  # noqa: SIM115 (open until exit)
+        self.ledger = Ledger(path)
         self.strategy = strategy
         self.sleep = sleep
         self.gate, self.gate_epoch = gate, gate_epoch
         self.before = ""
 
-    def fingerprint(self) -> str:
-        position = self.strategy.data_sampler.state_dict()["position"]
-        return hashlib.sha1(json.dumps(position).encode()).hexdigest()[:16]
-
-    def write(self, row: dict) -> None:
-        self.file.write(json.dumps(row) + "\n")
-
     def on_train_start(self, trainer, pl_module):  # type: ignore[no-untyped-def]
-        self.write({"kind": "start", "step": self.strategy.manager.current_step(), "position": self.fingerprint()})
+        self.ledger.write("start", step=self.strategy.manager.current_step(),
+                          position=fingerprint(self.strategy.data_sampler))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
-        self.before = self.fingerprint()
+        self.before = fingerprint(self.strategy.data_sampler)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
-        rec = self.strategy.data_sampler.last_batch
-        if rec.valid:
-            assert sorted(batch[1].tolist()) == sorted(rec.indices), (batch[1].tolist(), rec.indices)
-        self.write({"kind": "attempt", "step": rec.step, "epoch": rec.epoch, "indices": list(rec.indices),
-                    "rank": rec.participating_rank, "n": rec.num_participants, "valid": rec.valid,
-                    "held": list(rec.held), "consumed": list(rec.consumed), "before": self.before})
-        self.write({"kind": "outcome", "committed": bool(self.strategy._commit),
-                    "step": self.strategy.manager.current_step(), "after": self.fingerprint()})
+        self.ledger.attempt(self.strategy.data_sampler.last_batch, batch[1].tolist(), self.before)
+        self.ledger.write("outcome", committed=bool(self.strategy._commit), step=self.strategy.manager.current_step(),
+                          after=fingerprint(self.strategy.data_sampler))
         if self.sleep:
             time.sleep(self.sleep)
         if self.gate and self.strategy.data_sampler.epoch >= self.gate_epoch and os.path.exists(self.gate):
             time.sleep(1.0)  # the test is still killing: stay in the epochs where kills are checked
 
     def on_train_end(self, trainer, pl_module):  # type: ignore[no-untyped-def]
-        self.write({"kind": "done", "step": self.strategy.manager.current_step(),
-                    "epoch": self.strategy.data_sampler.epoch, "position": self.fingerprint()})
+        self.ledger.write("done", step=self.strategy.manager.current_step(), epoch=self.strategy.data_sampler.epoch,
+                          position=fingerprint(self.strategy.data_sampler))
 
 
 def main() -> int:
@@ -108,7 +85,7 @@ def main() -> int:
     pl.seed_everything(0, verbose=False)
     strategy = FaultTolerantDDPStrategy(exactly_once=True, timeout=5.0, quorum_timeout=60.0,
                                         replica_id=f"group{os.environ['REPLICA_GROUP_ID']}")
-    ledger = Ledger(args.ledger.format(rank=0), strategy, args.step_sleep, args.gate, args.gate_epoch)
+    ledger = LedgerCallback(args.ledger.format(rank=0), strategy, args.step_sleep, args.gate, args.gate_epoch)
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=args.epochs, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                          callbacks=[ledger])

@@ -16,7 +16,6 @@ optimizer state, participants) and `...events.jsonl` (the Manager's structured e
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -28,6 +27,7 @@ from datetime import timedelta
 import torch
 import torch.nn.functional as F
 
+from examples.train_ddp import JsonLines, state_digest
 from ft_core.data import DistributedSampler
 from ft_core.ddp import DistributedDataParallel
 from ft_core.manager import Manager
@@ -43,25 +43,6 @@ def read(path: str) -> str:
         return ""
 
 
-def digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
-    h = hashlib.sha256()
-    for t in list(model.state_dict().values()) + [v for s in optimizer.state_dict()["state"].values()
-                                                  for v in s.values() if isinstance(v, torch.Tensor)]:
-        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-class Events(logging.Handler):
-    def __init__(self, path: str) -> None:
-        super().__init__()
-        self._file = open(path, "a", buffering=1)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        event = getattr(record, "ft_event", None)
-        if event is not None:
-            self._file.write(json.dumps(event, default=str) + "\n")
-
-
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--group", type=int, required=True)
@@ -74,7 +55,7 @@ def main() -> int:
     prefix = os.path.join(args.workdir, f"g{args.group}.i{args.incarnation}")
     events = logging.getLogger("ft_core.events")
     events.setLevel(logging.INFO)
-    events.addHandler(Events(prefix + ".events.jsonl"))
+    events.addHandler(JsonLines(prefix + ".events.jsonl"))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     torch.manual_seed(0)
@@ -132,7 +113,7 @@ def main() -> int:
         sampler = DistributedSampler(data, replica_group_id=args.group, num_replica_groups=3, manager=manager,
                                      batch_size=8, shuffle=False)
         batches = iter(torch.utils.data.DataLoader(data, batch_sampler=sampler))
-    log = open(prefix + ".steps.jsonl", "a", buffering=1)
+    log = open(prefix + ".steps.jsonl", "a", buffering=1)  # noqa: SIM115 (open until exit)
     print(f"group {args.group} ready (replica_id {manager.replica_id})", flush=True)
     while True:
         stop = read(os.path.join(args.workdir, "stop"))
@@ -154,12 +135,12 @@ def main() -> int:
         log.write(json.dumps({"step": step, "after": manager.current_step(), "committed": optimizer.committed,
                               "time": time.time(), "held": list(rec.held) if rec else None,
                               "consumed": list(rec.consumed) if rec else None,
-                              "digest": digest(model, inner), "participants": manager.num_participants()}) + "\n")
+                              "digest": state_digest(model, inner), "participants": manager.num_participants()}) + "\n")
         if armed("vote"):
             die("vote")
         time.sleep(0.01)
     with open(prefix + ".final.json", "w") as f:
-        json.dump({"step": manager.current_step(), "digest": digest(model, inner)}, f)
+        json.dump({"step": manager.current_step(), "digest": state_digest(model, inner)}, f)
     manager.shutdown()
     pg.shutdown()
     return 0

@@ -31,6 +31,20 @@ except ImportError:  # pragma: no cover - torch is a hard dependency
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# What a deadline test allows beyond the deadline itself: a busy 2-core CI machine can delay the raise by
+# seconds. Each such test's alternative (the long timeout it must not wait for, or a hang) is far longer.
+BUSY_SLACK_S = 6.0
+
+
+def assert_bounded(started: float, deadline_s: float, what: str = "the call") -> float:
+    """Assert that `what`, started at time.monotonic() `started`, ended within its `deadline_s` (plus
+    BUSY_SLACK_S); the elapsed seconds."""
+    elapsed = time.monotonic() - started
+    assert elapsed <= deadline_s + BUSY_SLACK_S, (
+        f"{what} took {elapsed:.2f}s; its deadline was {deadline_s:g}s (+{BUSY_SLACK_S:g}s allowed on a busy machine)")
+    return elapsed
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """Environment for a child process: this interpreter's, single-threaded, repo importable."""
     env = dict(os.environ)

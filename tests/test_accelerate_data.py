@@ -10,13 +10,12 @@ import collections
 import glob
 import json
 import os
-import random
-import subprocess
 import time
 
 import pytest
 from conftest import REPO_ROOT
 from test_data_ledger import LedgerGroup, check_ledger, read_ledgers
+from test_data_ledger import run_with_kills as ledger_run_with_kills
 
 from ft_core.control.lighthouse import LighthouseServer
 
@@ -34,51 +33,12 @@ def loop_epochs_follow_the_data(tmp_path) -> None:
 
 
 def run_with_kills(processes, tmp_path, *, kills: int, args: list[str], nproc: int = 1,
-                   kill_before_epoch: int, deadline_s: float = 110.0) -> list[LedgerGroup]:
-    """Three groups; SIGKILL and restart one every 0.2-0.6 s (never the last one training) until `kills`,
-    all before epoch `kill_before_epoch`, while steps sleep (`--step-sleep`); then steps run at full
-    speed (the fast file, once every restart has joined) and every group must finish. An Accelerate restart takes seconds (much more
-    on a loaded machine), so the job is slow only while kills are still to come."""
-    rng = random.Random(11)
-    fast = os.path.join(str(tmp_path), "fast")
-    with LighthouseServer(min_replicas=1, join_timeout_ms=1000) as lighthouse:
-        gs = [LedgerGroup(processes, tmp_path, g, 3, lighthouse.address(), [*args, "--fast-file", fast], nproc, WORKER)
-              for g in range(3)]
-        try:
-            for g in gs:
-                g.start()
-            deadline = time.monotonic() + deadline_s
-            done = 0
-            while done < kills:
-                assert time.monotonic() < deadline, f"only {done} kills before the deadline"
-                time.sleep(rng.uniform(0.2, 0.6))
-                reached = max(g.epoch() for g in gs)
-                assert reached < kill_before_epoch, f"epoch {reached} reached after only {done} kills"
-                for g in gs:
-                    assert g.proc.poll() in (None, 0), f"group {g.group} exited {g.proc.returncode}:\n{g.output()[-3000:]}"
-                training = [g for g in gs if g.outcomes() >= 2]
-                victims = [g for g in gs if g.outcomes() >= 1 and any(t is not g for t in training)]
-                if victims:
-                    victim = rng.choice(victims)
-                    victim.kill()
-                    victim.start()
-                    done += 1
-            while not all(g.outcomes() >= 1 for g in gs):  # every restart has joined (healed) before the end
-                assert time.monotonic() < deadline, "a restarted group never joined"
-                assert max(g.epoch() for g in gs) < kill_before_epoch + 1, "the job ended before a restart joined"
-                time.sleep(0.2)
-            open(fast, "w").close()
-            for g in gs:
-                try:
-                    code = g.proc.wait(timeout=max(5.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    raise AssertionError(f"group {g.group} did not finish:\n{g.output()[-3000:]}") from None
-                assert code == 0, f"group {g.group} exited {code}:\n{g.output()[-3000:]}"
-        finally:
-            for g in gs:
-                if g.proc is not None:
-                    g.kill()
-    return gs
+                   kill_before_epoch: int) -> list[LedgerGroup]:
+    """test_data_ledger's driver, with every step slow (`--step-sleep`) only while kills are still to come:
+    an Accelerate restart takes seconds (much more on a loaded machine); every group must then finish."""
+    return ledger_run_with_kills(processes, tmp_path, kills=kills, args=args, nproc=nproc, timeout=110.0,
+                                 kill_before_epoch=kill_before_epoch, gate_epoch=0,
+                                 join_before_epoch=kill_before_epoch + 1, worker=WORKER)
 
 
 @pytest.mark.timeout(120)
@@ -169,17 +129,12 @@ def test_every_group_killed_at_once_resumes_from_save_state(processes, tmp_path)
     assert sorted(verdict) == [0, 1, 2], verdict
     loop_epochs_follow_the_data(tmp_path)
     # The epoch-level schedule ends where an uninterrupted run's does: 3 epochs, 3 steps of gamma 0.9.
-    done = [row for g in gs for row in ledger_rows(g, "done")]
+    done = [row for g in gs for row in g._rows("done")]
     assert all(abs(d["lr"][0] - 0.01 * 0.9 ** 3) < 1e-12 for d in done), done
 
 
-def ledger_rows(group: LedgerGroup, kind: str) -> list[dict]:
-    with open(group.ledger(rank=0)) as f:
-        return [json.loads(line) for line in f if f'"{kind}"' in line]
-
-
 def done_row(group: LedgerGroup) -> dict:
-    rows = ledger_rows(group, "done")
+    rows = group._rows("done")
     assert rows, group.output()[-3000:]
     return rows[-1]
 
@@ -191,10 +146,11 @@ def test_a_group_restarted_after_the_job_finished_does_not_retrain_alone(process
     that, with nobody live to heal from. With FT_CHECKPOINT_DIR holding the final save_state it resumes from
     it and ends with group 1's step, data position, schedule and weights (it trains nothing alone);
     without one it exits non-zero saying why."""
-    ckpt, fast = os.path.join(str(tmp_path), "ckpt"), os.path.join(str(tmp_path), "fast")
+    ckpt, gate = os.path.join(str(tmp_path), "ckpt"), os.path.join(str(tmp_path), "slow")
     args = ["--epochs", "3", "--size", "240", "--save", ckpt, "--save-every", "1000"]
     args += ["--save-final"] if with_checkpoint else []
-    slow = [*args, "--step-sleep", "0.3", "--fast-file", fast]  # slow until both have trained (a loaded machine)
+    slow = [*args, "--step-sleep", "0.3", "--gate", gate]  # slow until both have trained (a loaded machine)
+    open(gate, "w").close()
     with LighthouseServer(min_replicas=1, join_timeout_ms=500) as lighthouse:
         g0, g1 = (LedgerGroup(processes, tmp_path, g, 2, lighthouse.address(), slow, worker=WORKER) for g in range(2))
         try:
@@ -206,7 +162,7 @@ def test_a_group_restarted_after_the_job_finished_does_not_retrain_alone(process
                     g0.output()[-3000:] + g1.output()[-3000:]
                 time.sleep(0.1)
             g0.kill()
-            open(fast, "w").close()
+            os.remove(gate)
             assert g1.proc.wait(timeout=60) == 0, g1.output()[-3000:]
             g0.args = [*args, "--checkpoint-dir", ckpt]  # the job's save_state folders: group 1's final one, or none
             g0.start()
@@ -220,7 +176,7 @@ def test_a_group_restarted_after_the_job_finished_does_not_retrain_alone(process
         a, b = done_row(g1), done_row(g0)
         assert (b["step"], b["position"], b["lr"], b["weights"]) == (a["step"], a["position"], a["lr"], a["weights"])
         assert "resuming from its checkpoint" in out, out[-3000:]
-        attempts = ledger_rows(g0, "attempt")
+        attempts = g0._rows("attempt")
         assert all(not r["valid"] for r in attempts), attempts  # nothing trained alone
     else:
         assert code != 0, out[-3000:]

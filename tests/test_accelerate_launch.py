@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO_ROOT, Processes, child_env
+from proctree import descendants, still_running
 
 from ft_core.control.lighthouse import LighthouseServer
 from ft_lightning.accelerate import cli
@@ -159,41 +160,6 @@ def test_config_file_groups_survive_a_kill_heal_end_identical_and_allreduce_once
     assert_all_identical(found)
 
 
-def _live_descendants(root: int) -> set[tuple[int, str]]:
-    """(pid, start time) of every live process below `root` (stable against pid reuse)."""
-    table = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] != "Z":
-                table[int(name)] = (int(fields[1]), fields[19])
-    found, frontier = set(), [root]
-    while frontier:
-        parent = frontier.pop()
-        for pid, (ppid, start) in table.items():
-            if ppid == parent and (pid, start) not in found:
-                found.add((pid, start))
-                frontier.append(pid)
-    return found
-
-
-def _still_alive(procs: set[tuple[int, str]]) -> set[tuple[int, str]]:
-    alive = set()
-    for pid, start in procs:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and fields[19] == start:
-            alive.add((pid, start))
-    return alive
-
-
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("kill", ["its process group", "the launcher alone"])
 def test_a_kill_of_the_launcher_ends_every_worker_it_started(tmp_path, processes, kill):
@@ -205,20 +171,20 @@ def test_a_kill_of_the_launcher_ends_every_worker_it_started(tmp_path, processes
                                                           "0", EXAMPLE, "--steps", "100000", "--step-sleep", "0.05",
                                                           "--log-every", "1"], env)
         wait_for_line(log, "group 0: step 2 ", 60)
-        workers = _live_descendants(proc.pid)
+        workers = descendants(proc.pid)
         try:
             assert len(workers) >= 2, workers
-            groups = {os.getpgid(pid) for pid, _ in _still_alive(workers)}
+            groups = {os.getpgid(pid) for pid, _ in still_running(workers)}
             if kill == "its process group":
                 os.killpg(proc.pid, signal.SIGKILL)
             else:  # only the launcher: its workers must not outlive it either
                 os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
             end = time.monotonic() + 10
-            while _still_alive(workers) and time.monotonic() < end:
+            while still_running(workers) and time.monotonic() < end:
                 time.sleep(0.05)
             assert groups == {proc.pid}, f"workers in process groups {groups}, not the launcher's {proc.pid}"
-            assert _still_alive(workers) == set(), log.read_text()[-2000:]
+            assert still_running(workers) == set(), log.read_text()[-2000:]
         finally:
-            for pid, _ in _still_alive(workers):  # ours (checked by start time): never leave one behind
+            for pid, _ in still_running(workers):  # ours (checked by start time): never leave one behind
                 os.kill(pid, signal.SIGKILL)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import glob
-import json
 import os
 import random
 import signal
@@ -20,6 +19,8 @@ import time
 
 import pytest
 from conftest import REPO_ROOT, child_env
+from ft_harness import read_jsonl
+from proctree import descendants
 
 from ft_core.control.lighthouse import LighthouseServer
 from ft_core.data import DataPosition, StepShape, advance, step_pieces
@@ -108,18 +109,8 @@ class LedgerGroup:
         return rows[-1]["epoch"] if rows else -1
 
     def _rows(self, kind: str) -> list[dict]:
-        path = self.ledger(rank=0)
-        if not os.path.exists(path):
-            return []
-        out = []
-        with open(path) as f:
-            for line in f:
-                if f'"{kind}"' in line:
-                    try:
-                        out.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        pass
-        return out
+        """This incarnation's rank-0 ledger rows of one kind."""
+        return [row for row in read_jsonl(self.ledger(rank=0)) if row.get("kind") == kind]
 
     def kill(self) -> None:
         """SIGKILL the group: its process, and the workers torchrun starts in sessions of their own."""
@@ -127,7 +118,7 @@ class LedgerGroup:
         workers = descendants(self.proc.pid)
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
-        for pid in workers:
+        for pid, _ in workers:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -139,40 +130,12 @@ class LedgerGroup:
             return f.read()
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of `pid` (from /proc)."""
-    parents: dict[int, list[int]] = collections.defaultdict(list)
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            parents[ppid].append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def read_ledgers(tmp_path) -> list[list[dict]]:
     """Every ledger file's rows, each tagged with its group rank (`column`: the data order it works on)."""
     files = []
     for path in sorted(glob.glob(os.path.join(str(tmp_path), "g*.i*.r*.jsonl"))):
         column = int(path.rsplit(".r", 1)[1].split(".")[0])
-        rows = []
-        with open(path) as f:
-            for line in f:
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:  # a line cut by SIGKILL
-                    continue
-                row["column"] = column
-                rows.append(row)
-        files.append(rows)
+        files.append([{**row, "column": column} for row in read_jsonl(path)])
     return files
 
 
@@ -255,20 +218,25 @@ def _history(by_after: dict[str, list[dict]], fp: str) -> list[dict] | None:
 
 
 def run_with_kills(processes, tmp_path, *, groups: int = 3, kills: int = 10, args: list[str],
-                   nproc: int = 1, timeout: float = 100.0, kill_before_epoch: int = 4,
-                   worker: str = WORKER) -> list[LedgerGroup]:
+                   nproc: int = 1, timeout: float = 100.0, kill_before_epoch: int = 4, gate_epoch: int | None = None,
+                   join_before_epoch: int | None = None, worker: str = WORKER) -> list[LedgerGroup]:
     """Start the groups, SIGKILL and restart one every 0.2-0.6 s (never the last one training) until
     `kills`, all before epoch `kill_before_epoch` (the epochs after it let every restart heal: a group
-    restarted once every other has finished would train alone from step 0), then wait for the end."""
+    restarted once every other has finished would train alone from step 0), then wait for the end.
+
+    Until every restart has joined, the workers' `--gate` file exists: steps from `gate_epoch` on (by default
+    the last killing epoch) run slowly, so a slow restart on a busy machine cannot let the job outrun the
+    kills. `join_before_epoch`: fail if the job reaches it before the last restart joined."""
     rng = random.Random(11)
-    gate = os.path.join(str(tmp_path), "killing")  # while it exists, the last killing epoch runs slowly, so a
-    open(gate, "w").close()  # slow restart on a busy machine cannot let the job outrun the kills
-    args = [*args, "--gate", gate, "--gate-epoch", str(kill_before_epoch - 1)]
+    gate = os.path.join(str(tmp_path), "killing")
+    open(gate, "w").close()
+    gate_epoch = kill_before_epoch - 1 if gate_epoch is None else gate_epoch
+    args = [*args, "--gate", gate, "--gate-epoch", str(gate_epoch)]
     with LighthouseServer(min_replicas=1, join_timeout_ms=1000) as lighthouse:
         gs = [LedgerGroup(processes, tmp_path, g, groups, lighthouse.address(), args, nproc, worker)
               for g in range(groups)]
         try:
-            _drive(gs, rng, kills, timeout, kill_before_epoch, gate)
+            _drive(gs, rng, kills, timeout, kill_before_epoch, join_before_epoch, gate)
         finally:
             for g in gs:
                 if g.proc is not None:
@@ -277,7 +245,7 @@ def run_with_kills(processes, tmp_path, *, groups: int = 3, kills: int = 10, arg
 
 
 def _drive(gs: list[LedgerGroup], rng: random.Random, kills: int, timeout: float, kill_before_epoch: int,
-           gate: str) -> None:
+           join_before_epoch: int | None, gate: str) -> None:
     for g in gs:
         g.start()
     deadline = time.monotonic() + timeout
@@ -299,6 +267,8 @@ def _drive(gs: list[LedgerGroup], rng: random.Random, kills: int, timeout: float
         done += 1
     while not all(g.outcomes() >= 1 for g in gs):  # the last restart joins (heals) before the job may end
         assert time.monotonic() < deadline, "a restarted group never joined"
+        if join_before_epoch is not None:
+            assert max(g.epoch() for g in gs) < join_before_epoch, "the job ended before a restart joined"
         time.sleep(0.2)
     os.remove(gate)
     for g in gs:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import child_env, communicate_or_interrupt
+from proctree import descendants, still_running
 
 from ft_core.tools.launch_command import (
     FaultInjector,
@@ -233,40 +234,6 @@ def test_fault_injector_kills_seeded_up_to_max_kills_and_spares_the_last_group(s
 
 # ----------------------------------------------------------------------------- `ftl launch` as a process
 
-def _proc_table() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, start time) for every process we can see."""
-    table = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if fields[0] != "Z":
-            table[int(name)] = (int(fields[1]), fields[19])
-    return table
-
-
-def _descendants(root: int) -> set[tuple[int, str]]:
-    """(pid, start time) of every live descendant of `root`: stable against pid reuse."""
-    table = _proc_table()
-    found, frontier = set(), [root]
-    while frontier:
-        parent = frontier.pop()
-        for pid, (ppid, start) in table.items():
-            if ppid == parent and (pid, start) not in found:
-                found.add((pid, start))
-                frontier.append(pid)
-    return found
-
-
-def _still_running(procs: set[tuple[int, str]]) -> set[tuple[int, str]]:
-    table = _proc_table()
-    return {(pid, start) for pid, start in procs if pid in table and table[pid][1] == start}
-
-
 def _ftl(*args: str) -> list[str]:
     return [sys.executable, "-m", "ft_core.tools.cli", *args]
 
@@ -286,26 +253,26 @@ def test_sigint_at_any_moment_leaves_no_process_behind(moment, sleeper, processe
     want = {"at once": 0, "as the first rank starts": 1, "all groups up": 8, "mid-run with restarts": 8}[moment]
     deadline = time.monotonic() + 20
     while want and time.monotonic() < deadline:
-        seen |= _descendants(launch.pid)
+        seen |= descendants(launch.pid)
         if len(seen) >= want:
             break
         time.sleep(0.01)
     if moment == "mid-run with restarts":  # let a few kills and restarts happen first
         end = time.monotonic() + 1.5
         while time.monotonic() < end:
-            seen |= _descendants(launch.pid)
+            seen |= descendants(launch.pid)
             time.sleep(0.02)
     appeared = len(seen)
     os.killpg(launch.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
     end = time.monotonic() + 20
     while launch.poll() is None and time.monotonic() < end:
-        seen |= _descendants(launch.pid)
+        seen |= descendants(launch.pid)
         time.sleep(0.02)
     errors.seek(0)
     stderr = errors.read()
     errors.close()
     assert appeared >= want, f"only {appeared} descendants appeared before the SIGINT"
-    assert _still_running(seen) == set()
+    assert still_running(seen) == set()
     if launch.returncode == 1 and "Fatal Python error: init_import_site" in stderr:
         # The SIGINT landed while the interpreter was still importing `site` (a wide window on a busy
         # machine): CPython itself exits 1 then, before any ftl code runs, so nothing was started.
@@ -321,12 +288,12 @@ def test_sigterm_ends_every_group_and_the_exit_code_says_so(sleeper, processes):
     seen: set[tuple[int, str]] = set()
     deadline = time.monotonic() + 20
     while len(seen) < 4 and time.monotonic() < deadline:
-        seen |= _descendants(launch.pid)
+        seen |= descendants(launch.pid)
         time.sleep(0.02)
     launch.send_signal(signal.SIGTERM)
     out = communicate_or_interrupt(launch, 20)
     assert launch.returncode == 128 + signal.SIGTERM
-    assert _still_running(seen) == set()
+    assert still_running(seen) == set()
     assert "status page: http://127.0.0.1:" in out and "stopped" in out
     assert "[g0] up 0 0 0" in out and "[g1] up 1 0 0" in out  # each group's output, prefixed with its id
 

@@ -5,7 +5,6 @@ checkpoint and log folders, and a group that heals into a later epoch gets its e
 from __future__ import annotations
 
 import glob
-import json
 import os
 import subprocess
 import sys
@@ -13,23 +12,11 @@ import time
 
 import pytest
 from conftest import REPO_ROOT, child_env
+from ft_harness import read_jsonl
 
 from ft_core.control.lighthouse import LighthouseServer
 
 WORKER = os.path.join(REPO_ROOT, "tests", "_lightning_parity_worker.py")
-
-
-def rows(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path) as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return out
 
 
 def start(processes, tmp_path, lighthouse: str, group: int, groups: int, name: str, *extra: str,
@@ -56,7 +43,7 @@ def test_restart_resumes_from_last_in_its_group_folder_and_continues_the_run(pro
         second, events = start(processes, tmp_path, lighthouse.address(), 0, 1, "second", restart=1)
         assert second.wait(timeout=90) == 0, output(tmp_path, "second")[-3000:]
     group = os.path.join(str(tmp_path), "replica_group_0")
-    resumed = rows(events)
+    resumed = read_jsonl(events)
     # ckpt_path="last" found replica_group_0/.../last.ckpt: training went on from step 8 (saved every 2
     # steps; the first batch after it ends at step 9), the Manager's step with it
     assert resumed[0] == {"kind": "train_start", "step": 8, "manager_step": 8}, resumed[:3]
@@ -80,13 +67,13 @@ def test_a_group_healing_into_a_later_epoch_gets_its_epoch_start_hooks(processes
         early, early_events = start(processes, tmp_path, lighthouse.address(), 0, 2, "early", "--epochs", "30",
                                     "--sleep", "0.3")
         deadline = time.monotonic() + 60
-        while not any(r["kind"] == "epoch_start" and r["epoch"] >= 2 for r in rows(early_events)):
+        while not any(r["kind"] == "epoch_start" and r["epoch"] >= 2 for r in read_jsonl(early_events)):
             assert time.monotonic() < deadline and early.poll() is None, output(tmp_path, "early")[-3000:]
             time.sleep(0.1)
         late, late_events = start(processes, tmp_path, lighthouse.address(), 1, 2, "late", "--epochs", "30")
         assert late.wait(timeout=150) == 0, output(tmp_path, "late")[-3000:]
         assert early.wait(timeout=60) == 0, output(tmp_path, "early")[-3000:]
-    seen = rows(late_events)
+    seen = read_jsonl(late_events)
     started = set()
     for row in seen:
         if row["kind"] == "train_start":

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.distributed import ReduceOp
 
+from conftest import BUSY_SLACK_S
 from ft_core.errors import CommitError, ConfigError
 from ft_core.control.lighthouse import LighthouseServer
 from ft_core.manager import Manager
@@ -197,7 +198,7 @@ def test_quorum_that_cannot_form_raises_timeout_error_on_time():
             return time.monotonic() - started
 
         (elapsed,) = run_groups(1, lighthouse, body, quorum_timeout=timedelta(seconds=1))
-    assert elapsed < 1 + 2
+    assert elapsed <= 1 + BUSY_SLACK_S
 
 
 class CorruptingProxy:

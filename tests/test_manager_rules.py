@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from conftest import assert_bounded
 from ft_core import futures as ft_futures
 from ft_core.data import DistributedSampler, global_shard
 from ft_core.ddp import canonical_chunks, reducer_parameters
@@ -109,7 +110,7 @@ def test_future_timeout_fails_on_time_and_passes_values_through():
     timed = ft_futures.future_timeout(slow, 0.2, what="test op")
     with pytest.raises(FTTimeoutError, match="test op"):
         timed.wait()
-    assert 0.15 < time.monotonic() - started < 2.0
+    assert assert_bounded(started, 0.2, "a 0.2 s future timeout") > 0.15
     slow.set_result(1)  # completing late changes nothing
     assert any(t.name == "ft-timer" for t in threading.enumerate())
 
@@ -127,6 +128,32 @@ def test_recover_reports_error_and_returns_default():
     with pytest.raises(FTTimeoutError):
         ft_futures.future_wait(torch.futures.Future(), 0.05)
     assert ft_futures.future_wait(ft_futures.completed_future(3), 1) == 3
+
+
+def _boom(_v: object) -> object:
+    raise ValueError("boom")
+
+
+@pytest.mark.parametrize("outcome,fn,timeout,expected,errors", [
+    ("value", None, 5, "value", []),                        # passes the value through
+    ("value", lambda v: v + "!", 5, "value!", []),          # the continuation's result
+    ("value", _boom, 5, "default", ["ValueError"]),         # a failing continuation: default, reported
+    (ValueError("x"), lambda v: v + "!", 5, "default", ["ValueError"]),  # a failed input skips fn
+    (None, None, 0.05, "default", ["FTTimeoutError"]),      # never completes: default at the deadline
+])
+def test_settled_is_chain_timeout_and_recover_in_one(outcome, fn, timeout, expected, errors):
+    source: torch.futures.Future = torch.futures.Future()
+    seen: list[BaseException] = []
+    out = ft_futures.settled(source, "default", seen.append, timeout, fn, what="test op")
+    if isinstance(outcome, BaseException):
+        source.set_exception(outcome)
+    elif outcome is not None:
+        source.set_result(outcome)
+    assert out.wait() == expected
+    assert [type(e).__name__ for e in seen] == errors
+    if outcome is None:
+        source.set_result("late")  # completing after the deadline changes nothing, reports nothing more
+        assert out.wait() == "default" and len(seen) == 1
 
 
 def test_context_timeout_runs_callback_only_when_block_overruns():

@@ -148,6 +148,18 @@ def test_world_size_one_commit_vote_is_local(lighthouse: LighthouseServer) -> No
         assert result.replica_ids == ["solo"] and not result.heal
 
 
+def _stream_loop_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "ftl-heartbeat-streams"}
+
+
+def test_the_stream_loop_thread_ends_with_the_last_server_using_it(lighthouse: LighthouseServer) -> None:
+    before = _stream_loop_threads()  # a loop held by something else stays, and is shared
+    with ManagerServer("loop_a", lighthouse.address()) as a, ManagerServer("loop_b", lighthouse.address()) as b:
+        assert a.wait_heartbeat_connected(TIMEOUT) and b.wait_heartbeat_connected(TIMEOUT)
+        assert len(_stream_loop_threads()) == 1
+    assert _stream_loop_threads() <= before
+
+
 def _catch(fn: Callable[[], Any]) -> Any:
     try:
         return fn()

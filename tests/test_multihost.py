@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,6 +68,20 @@ class OnHost:
         return self.hosts.spawn(self.host, args, env=clean, **kwargs)
 
 
+def torchrun_on_nodes(hosts, nodes: list, port: int, script: list[str], env: dict[str, str],
+                      log_path: Callable[[int], str | Path], mode: str = "ab") -> list[subprocess.Popen]:
+    """One `torchrun --nnodes=len(nodes) --nproc-per-node=1` per host of `nodes` running `script`, node 0
+    (the first host) holding the static rendezvous at `port`; node r's output goes to log_path(r)."""
+    procs = []
+    for rank, host in enumerate(nodes):
+        argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(nodes)}", "--nproc-per-node=1",
+                f"--node-rank={rank}", f"--master-addr={nodes[0].address}", f"--master-port={port}",
+                "--max-restarts=0", *script]
+        with open(log_path(rank), mode) as log:  # the child keeps its own copy of the descriptor
+            procs.append(hosts.spawn(host, argv, env=env, stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
 @dataclass
 class MultiNodeGroup(Group):
     """One replica group of train_ddp.py spanning hosts: one `torchrun --nnodes=N` per host, node 0
@@ -78,20 +93,13 @@ class MultiNodeGroup(Group):
 
     def start(self, extra: list[str] | None = None) -> subprocess.Popen:
         self.incarnation += 1
-        master = self.nodes[0]
-        port = self.hosts.free_port(master)
+        port = self.hosts.free_port(self.nodes[0])
         script = [TRAIN, "--step-log", self.path("steps.jsonl"), "--events", self.path("events.jsonl"),
                   "--digest-out", self.path("digest.json"), "--stop-file", self.stop_file, *self.args, *(extra or [])]
         env = only_readme_env(FT_LIGHTHOUSE=self.lighthouse, REPLICA_GROUP_ID=str(self.group_id),
                               NUM_REPLICA_GROUPS=str(self.num_groups), **INTRA_GROUP_GLOO)
-        self.procs = []
-        for rank, host in enumerate(self.nodes):
-            argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(self.nodes)}",
-                    "--nproc-per-node=1", f"--node-rank={rank}", f"--master-addr={master.address}",
-                    f"--master-port={port}", "--max-restarts=0", *script]
-            path = os.path.join(self.workdir, f"g{self.group_id}.i{self.incarnation}.n{rank}.out")
-            with open(path, "w") as log:  # the child keeps its own copy of the descriptor
-                self.procs.append(self.hosts.spawn(host, argv, env=env, stdout=log, stderr=subprocess.STDOUT))
+        self.procs = torchrun_on_nodes(self.hosts, self.nodes, port, script, env, lambda rank: os.path.join(
+            self.workdir, f"g{self.group_id}.i{self.incarnation}.n{rank}.out"), mode="w")
         self.proc = self.procs[0]
         self.spawned_at = time.time()
         return self.proc
@@ -125,6 +133,14 @@ def final_digests(groups: list[Group]) -> set[str]:
     return {d["digest"] for g in groups for d in g.digests()}
 
 
+def assert_all_end_identical_at(groups: list[Group], target: int, ranks: int = 1) -> None:
+    """Every rank of every group agreed on each step's digest and wrote the same final state at `target`."""
+    check_step_digests(groups, ranks=ranks)
+    digests = [d for g in groups for d in g.digests()]
+    assert len(digests) == len(groups) * ranks and {d["step"] for d in digests} == {target}, digests
+    assert len(final_digests(groups)) == 1, digests
+
+
 def healed(group: Group, incarnation: int | None = None, rank: int = 0) -> bool:
     return any(e.get("type") == "heal" for e in group.events(incarnation, rank))
 
@@ -147,10 +163,7 @@ def test_core_api_groups_on_two_hosts_end_identical_and_a_killed_group_heals_acr
     target = stop_all(groups)
 
     assert healed(groups[1]), "the restarted group never healed from its peer on the other host"
-    check_step_digests(groups)
-    digests = [d for g in groups for d in g.digests()]
-    assert len(digests) == 2 and {d["step"] for d in digests} == {target}
-    assert len(final_digests(groups)) == 1, digests
+    assert_all_end_identical_at(groups, target)
 
 
 # ---- Lightning Trainer and Fabric ----------------------------------------------------------------
@@ -199,6 +212,12 @@ def assert_identical_files(out: Path, pattern: str, expected: int) -> None:
         assert_same_tensors(reference, torch.load(f, weights_only=False), f"{f.name} vs {files[0].name}")
 
 
+def assert_identical_state(out: Path, pattern: str, expected: int) -> None:
+    """`expected` weights_PATTERN files, all equal, and as many optimizer_PATTERN files, all equal."""
+    for kind in ("weights", "optimizer"):
+        assert_identical_files(out, f"{kind}_{pattern}", expected)
+
+
 @pytest.mark.timeout(115)
 def test_lightning_groups_on_two_hosts_end_identical_and_a_killed_group_heals_across_hosts(simulated_hosts,
                                                                                           tmp_path):
@@ -215,8 +234,7 @@ def test_lightning_groups_on_two_hosts_end_identical_and_a_killed_group_heals_ac
     steps = 2 * (64 // 2 // 4)  # epochs * batches of a group's shard
     assert [runs[g]["manager_step"] for g in (0, 1)] == [steps, steps], runs
     assert runs[1]["events"].get("heal", 0) >= 1, runs[1]
-    assert_identical_files(tmp_path, "weights_g*_r0.pt", 2)
-    assert_identical_files(tmp_path, "optimizer_g*_r0.pt", 2)
+    assert_identical_state(tmp_path, "g*_r0.pt", 2)
 
 
 @pytest.mark.timeout(100)
@@ -228,8 +246,7 @@ def test_fabric_groups_on_two_hosts_end_identical(simulated_hosts, tmp_path):
     wait_ok(procs, tmp_path, 90)
     runs = {g: json.loads((tmp_path / f"summary_g{g}.json").read_text()) for g in (0, 1)}
     assert [runs[g]["step"] for g in (0, 1)] == [6, 6]
-    assert_identical_files(tmp_path, "weights_g*.pt", 2)
-    assert_identical_files(tmp_path, "optimizer_g*.pt", 2)
+    assert_identical_state(tmp_path, "g*.pt", 2)
 
 
 # ---- Accelerate ----------------------------------------------------------------------------------
@@ -282,10 +299,7 @@ def test_a_group_spanning_two_hosts_ends_identical_also_after_the_whole_group_is
     target = stop_all(groups)
 
     assert healed(wide, rank=0) and healed(wide, rank=1), "the restarted wide group did not heal on both hosts"
-    check_step_digests(groups, ranks=2)
-    digests = [d for g in groups for d in g.digests()]
-    assert len(digests) == 4 and {d["step"] for d in digests} == {target}, digests
-    assert len(final_digests(groups)) == 1, digests
+    assert_all_end_identical_at(groups, target, ranks=2)
 
 
 @pytest.mark.timeout(115)
@@ -295,16 +309,10 @@ def test_a_lightning_group_with_num_nodes_2_spans_two_hosts_and_ends_identical(s
     hosts = simulated_hosts(4)
     _, lighthouse = start_lighthouse(hosts, hosts[0], tmp_path / "lighthouse.log")
     args = ("--epochs", "1", "--samples", "64")
-    master, port = hosts[1], hosts.free_port(hosts[1])
     env = only_readme_env(FT_LIGHTHOUSE=lighthouse, REPLICA_GROUP_ID="0", NUM_REPLICA_GROUPS="2", **INTRA_GROUP_GLOO)
-    procs = []
-    for rank, host in enumerate((hosts[1], hosts[2])):
-        with open(tmp_path / f"group0_node{rank}.log", "ab") as log:
-            procs.append(hosts.python(host, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-                                      f"--node-rank={rank}", f"--master-addr={master.address}",
-                                      f"--master-port={port}", "--max-restarts=0", LIGHTNING_WORKER, "--out",
-                                      str(tmp_path), "--group", "0", "--num-nodes", "2", *args, env=env, stdout=log,
-                                      stderr=subprocess.STDOUT))
+    procs = torchrun_on_nodes(hosts, [hosts[1], hosts[2]], hosts.free_port(hosts[1]),
+                              [LIGHTNING_WORKER, "--out", str(tmp_path), "--group", "0", "--num-nodes", "2", *args],
+                              env, lambda rank: tmp_path / f"group0_node{rank}.log")
     procs.append(start_worker(hosts, hosts[3], LIGHTNING_WORKER, tmp_path, 1, lighthouse, "--devices", "2", *args))
     wait_ok(procs, tmp_path, 100)
 
@@ -312,8 +320,7 @@ def test_a_lightning_group_with_num_nodes_2_spans_two_hosts_and_ends_identical(s
     assert sorted(runs) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert {run["world_size"] for run in runs.values()} == {2}
     assert len({run["manager_step"] for run in runs.values()}) == 1 and runs[(0, 0)]["manager_step"] > 0, runs
-    assert_identical_files(tmp_path, "weights_g*_r*.pt", 4)
-    assert_identical_files(tmp_path, "optimizer_g*_r*.pt", 4)
+    assert_identical_state(tmp_path, "g*_r*.pt", 4)
 
 
 # ---- a standby lighthouse on another host ---------------------------------------------------------

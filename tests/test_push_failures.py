@@ -12,7 +12,6 @@ hosts (tests/netns.py) and is skipped where they cannot be made.
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import subprocess
@@ -22,7 +21,14 @@ from datetime import timedelta
 
 import pytest
 from conftest import child_env
-from ft_harness import Group, check_step_digests, commit_gaps, stop_all, wait_until
+from ft_harness import (
+    Group,
+    check_step_digests,
+    commit_gaps,
+    read_jsonl,
+    stop_all,
+    wait_until,
+)
 
 from ft_core.control.lighthouse import LighthouseServer
 from ft_core.control.lighthouse_client import LighthouseClient
@@ -180,12 +186,6 @@ while True:
 """
 
 
-def commits_of(path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
-
-
 @pytest.mark.timeout(100)
 def test_a_step_blocked_on_a_frozen_peer_fails_at_once_and_the_survivor_commits_without_it(processes, tmp_path):
     with LighthouseServer(min_replicas=1, join_timeout_ms=2_000, heartbeat_timeout_ms=2_000,
@@ -197,18 +197,18 @@ def test_a_step_blocked_on_a_frozen_peer_fails_at_once_and_the_survivor_commits_
         assert frozen.stdout.readline().split() == ["FREEZING", "2"], "the frozen group was not in a 2-group quorum"
         frozen_at = time.time()
         try:
-            wait_until(lambda: sum(c["time"] > frozen_at for c in commits_of(logs[0])) >= 3, 40,
+            wait_until(lambda: sum(c["time"] > frozen_at for c in read_jsonl(logs[0])) >= 3, 40,
                        "the survivor to commit 3 steps without the frozen group (collective timeout: 60 s)")
         finally:
             frozen.send_signal(signal.SIGCONT)
-        gap = commit_gaps([c for c in commits_of(logs[0]) if c["time"] >= frozen_at - 2])
+        gap = commit_gaps([c for c in read_jsonl(logs[0]) if c["time"] >= frozen_at - 2])
         print(f"survivor's longest commit gap with its peer frozen mid-step: {gap:.2f} s (heartbeat_timeout 2 s)")
         assert survivor.poll() is None
         # The frozen group wakes up behind, rejoins and heals to the survivor's weights.
-        resumed = len(commits_of(logs[1]))
-        wait_until(lambda: len(commits_of(logs[1])) >= resumed + 3, 40, "the frozen group to heal and commit")
-        ours = {c["step"]: c["w"] for c in commits_of(logs[0])}
-        theirs = [c for c in commits_of(logs[1])[resumed:] if c["step"] in ours]
+        resumed = len(read_jsonl(logs[1]))
+        wait_until(lambda: len(read_jsonl(logs[1])) >= resumed + 3, 40, "the frozen group to heal and commit")
+        ours = {c["step"]: c["w"] for c in read_jsonl(logs[0])}
+        theirs = [c for c in read_jsonl(logs[1])[resumed:] if c["step"] in ours]
         assert theirs and all(c["w"] == ours[c["step"]] for c in theirs), "the healed group differs"
 
 
@@ -260,23 +260,30 @@ class OnHost:
         return self.hosts.spawn(self.host, args, env=clean, **kwargs)
 
 
-@pytest.mark.timeout(115)
-def test_a_cut_host_is_pushed_out_and_the_survivor_keeps_committing_then_it_rejoins_and_heals(
-        simulated_hosts, tmp_path):
-    hosts = simulated_hosts(3)
+def groups_on_hosts(hosts, tmp_path, n: int, timeout: str) -> list[Group]:
+    """A lighthouse on host 0 and `n` groups of train_ddp.py on hosts 1..n (collective timeout `timeout` s),
+    started and each committing 5 steps."""
     port = hosts.free_port(hosts[0])
     lighthouse = f"{hosts[0].address}:{port}"
     with open(tmp_path / "lighthouse.log", "ab") as out:
         hosts.python(hosts[0], "-m", "ft_core", "lighthouse", "--bind", lighthouse, "--http-bind", "off",
                      "--min-replicas", "1", "--join-timeout-ms", "2000", "--heartbeat-timeout-ms", "2000",
                      stdout=out, stderr=subprocess.STDOUT)
-    args = ["--steps", "1000000", "--timeout", "60", "--quorum-timeout", "60", "--step-sleep", "0.05",
+    args = ["--steps", "1000000", "--timeout", timeout, "--quorum-timeout", "60", "--step-sleep", "0.05",
             "--dataset-size", "512"]
-    groups = [Group(OnHost(hosts, hosts[1 + g]), str(tmp_path), g, 2, lighthouse, args=args) for g in (0, 1)]
+    groups = [Group(OnHost(hosts, hosts[1 + g]), str(tmp_path), g, n, lighthouse, args=args) for g in range(n)]
     for g in groups:
         g.start()
+    wait_until(lambda: all(len(g.commits()) >= 5 for g in groups), 60, "every group to commit 5 steps", groups)
+    return groups
+
+
+@pytest.mark.timeout(115)
+def test_a_cut_host_is_pushed_out_and_the_survivor_keeps_committing_then_it_rejoins_and_heals(
+        simulated_hosts, tmp_path):
+    hosts = simulated_hosts(3)
+    groups = groups_on_hosts(hosts, tmp_path, 2, timeout="60")
     survivor, cut = groups
-    wait_until(lambda: all(len(g.commits()) >= 5 for g in groups), 60, "both groups to commit 5 steps", groups)
 
     hosts.cut(hosts[2])
     cut_at = time.time()
@@ -306,18 +313,7 @@ def test_an_asymmetric_partition_settles_on_a_mutually_reachable_set_and_the_cut
     lighthouse issues {0, 2} (the largest set that can all reach each other, lowest ids first), group 1 commits
     nothing while blocked, and rejoins and heals once the block is lifted."""
     hosts = simulated_hosts(4)
-    port = hosts.free_port(hosts[0])
-    lighthouse = f"{hosts[0].address}:{port}"
-    with open(tmp_path / "lighthouse.log", "ab") as out:
-        hosts.python(hosts[0], "-m", "ft_core", "lighthouse", "--bind", lighthouse, "--http-bind", "off",
-                     "--min-replicas", "1", "--join-timeout-ms", "2000", "--heartbeat-timeout-ms", "2000",
-                     stdout=out, stderr=subprocess.STDOUT)
-    args = ["--steps", "1000000", "--timeout", "5", "--quorum-timeout", "60", "--step-sleep", "0.05",
-            "--dataset-size", "512"]
-    groups = [Group(OnHost(hosts, hosts[1 + g]), str(tmp_path), g, 3, lighthouse, args=args) for g in (0, 1, 2)]
-    for g in groups:
-        g.start()
-    wait_until(lambda: all(len(g.commits()) >= 5 for g in groups), 60, "every group to commit 5 steps", groups)
+    groups = groups_on_hosts(hosts, tmp_path, 3, timeout="5")
     g0, g1, g2 = groups
 
     hosts.block(hosts[1], hosts[2])

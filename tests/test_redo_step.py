@@ -25,27 +25,15 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed import ReduceOp
 from conftest import child_env
+from ft_harness import read_jsonl
+from torch.distributed import ReduceOp
 
 from ft_core.control.lighthouse import LighthouseServer
-from ft_core.redo import ReductionLog, RedoConfig
+from ft_core.redo import RedoConfig, ReductionLog
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_redo_worker.py")
 SURVIVORS, VICTIM = (0, 1), 2
-
-
-def rows(path: str) -> list[dict[str, Any]]:
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path) as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:  # a line cut by SIGKILL
-                pass
-    return out
 
 
 def write(path: str, text: str) -> None:
@@ -64,7 +52,7 @@ class Job:
 
     def start(self, g: int) -> None:
         self.incarnation[g] += 1
-        out = open(os.path.join(self.workdir, f"g{g}.i{self.incarnation[g]}.out"), "w")
+        out = open(os.path.join(self.workdir, f"g{g}.i{self.incarnation[g]}.out"), "w")  # noqa: SIM115 (the child keeps it)
         self.procs[g] = self.processes.spawn(
             [sys.executable, WORKER, "--group", str(g), "--incarnation", str(self.incarnation[g]),
              "--workdir", self.workdir, *self.extra], env=child_env(FT_LIGHTHOUSE=self.lighthouse, **{"FT_REDO_STEP": "1", **self.env}), stdout=out,
@@ -72,10 +60,10 @@ class Job:
 
     def steps(self, g: int, incarnation: int | None = None) -> list[dict[str, Any]]:
         inc = incarnation or self.incarnation[g]
-        return rows(os.path.join(self.workdir, f"g{g}.i{inc}.steps.jsonl"))
+        return read_jsonl(os.path.join(self.workdir, f"g{g}.i{inc}.steps.jsonl"))
 
     def events(self, g: int) -> list[dict[str, Any]]:
-        return rows(os.path.join(self.workdir, f"g{g}.i{self.incarnation[g]}.events.jsonl"))
+        return read_jsonl(os.path.join(self.workdir, f"g{g}.i{self.incarnation[g]}.events.jsonl"))
 
     def committed(self, g: int, incarnation: int | None = None) -> list[dict[str, Any]]:
         return [r for r in self.steps(g, incarnation) if r["committed"]]

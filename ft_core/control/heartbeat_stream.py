@@ -4,7 +4,8 @@ Every stream of a process runs on one event loop thread ("ftl-heartbeat-streams"
 many members (a benchmark, a launcher) costs one thread, not two per member, and a quorum request sent
 on the stream costs one hop from the caller's thread to the loop and one back: the loop writes the
 request, reads the answer and wakes the caller. Heartbeats go out on a timer of the loop, a quorum
-request counting as one.
+request counting as one. The thread starts with the first stream or manager server that holds the
+loop and ends with the last one's `stop()`/`shutdown()`.
 
 While the stream is open the lighthouse counts the replica alive; when this process dies the
 connection drops and the lighthouse drops the replica at once.
@@ -32,7 +33,7 @@ from ft_core.net import normalize_address
 
 logger = logging.getLogger("ft_core.control.lighthouse_client")
 
-__all__ = ["HeartbeatStreamHandle", "StreamUnavailable", "stream_loop"]
+__all__ = ["HeartbeatStreamHandle", "StreamUnavailable", "release_stream_loop", "stream_loop"]
 
 # Reconnect quickly after a lighthouse restart instead of grpc's default 1 s .. 120 s backoff.
 CLIENT_CHANNEL_OPTIONS = CHANNEL_OPTIONS + [
@@ -43,6 +44,7 @@ CLIENT_CHANNEL_OPTIONS = CHANNEL_OPTIONS + [
 CONNECT_ATTEMPT_S = 1.0  # longest single connection attempt before trying the next address
 CLEAN_CLOSE_S = 1.0  # longest stop() waits for the lighthouse to end a half-closed stream (a clean exit)
 HEADERS_WAIT_S = 1.0  # longest a new stream waits for the lighthouse's headers before writing anyway
+LOOP_STOP_S = 2.0  # longest the stream loop's last tasks get to end once its last holder released it
 _METHOD = "/ftl.LighthouseService/HeartbeatStream"
 _GOODBYE = object()  # queued by stop(): the writer sends `leaving`, then half-closes the stream
 
@@ -69,32 +71,71 @@ class _StreamPoll:
 
 
 def stream_loop() -> asyncio.AbstractEventLoop:
-    """The process's event loop for heartbeat streams (and the manager servers' gRPC), started on first use."""
-    return _StreamLoop.get()
+    """The process's event loop for heartbeat streams (and the manager servers' gRPC), started on first use.
+    Each call holds the loop until a matching `release_stream_loop()`; the last release ends its thread."""
+    return _StreamLoop.acquire()
+
+
+def release_stream_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Give back a hold on `loop` taken by `stream_loop()`; the last one stops it and joins its thread (bounded)."""
+    _StreamLoop.release(loop)
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
 
 class _StreamLoop:
-    """The process's event loop thread for heartbeat streams, started on first use."""
+    """The process's event loop thread for heartbeat streams: started by the first hold, ended by the last."""
 
     _lock = threading.Lock()
     _loop: asyncio.AbstractEventLoop | None = None
     _thread: threading.Thread | None = None
+    _holds = 0
 
     @classmethod
-    def get(cls) -> asyncio.AbstractEventLoop:
+    def acquire(cls) -> asyncio.AbstractEventLoop:
         with cls._lock:
             if cls._loop is None or cls._thread is None or not cls._thread.is_alive():  # none yet, or forked
                 loop = asyncio.new_event_loop()
                 cls._thread = threading.Thread(target=cls._run, args=(loop,), name="ftl-heartbeat-streams",
                                                daemon=True)
                 cls._thread.start()
-                cls._loop = loop
+                cls._loop, cls._holds = loop, 0
+            cls._holds += 1
             return cls._loop
+
+    @classmethod
+    def release(cls, loop: asyncio.AbstractEventLoop) -> None:
+        with cls._lock:
+            if loop is not cls._loop or cls._thread is None:
+                return  # a loop already ended, or one of the parent process (forked)
+            cls._holds -= 1
+            if cls._holds > 0:
+                return
+            thread = cls._thread
+            cls._loop = cls._thread = None
+        loop.call_soon_threadsafe(loop.stop)
+        if thread is not threading.current_thread():
+            thread.join(LOOP_STOP_S + 1.0)
+            if thread.is_alive():
+                logger.warning("the heartbeat stream loop did not stop within %.1f s", LOOP_STOP_S + 1.0)
 
     @staticmethod
     def _run(loop: asyncio.AbstractEventLoop) -> None:
         asyncio.set_event_loop(loop)
-        loop.run_forever()
+        try:
+            loop.run_forever()
+        finally:  # tasks still running (a stream stopped from its own listener) end before the loop closes
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.wait(pending, timeout=LOOP_STOP_S))
+            loop.close()
 
 
 def _aio_channel(addr: str, options: list[tuple[str, Any]]) -> grpc.aio.Channel:
@@ -127,7 +168,8 @@ class HeartbeatStreamHandle:
         self._outbox: asyncio.Queue | None = None  # what the open stream's writer sends (guarded by _lock)
         self._polls: dict[int, _StreamPoll] = {}  # quorum requests of the open stream (guarded by _lock)
         self._request_ids = itertools.count(1)
-        self._loop = _StreamLoop.get()
+        self._loop = _StreamLoop.acquire()  # given back by stop()
+        self._holds_loop = True
         self._channels: dict[str, grpc.aio.Channel] = {}  # used on the loop only
         self._stopped: asyncio.Event | None = None  # the loop's view of _stop (made on the loop)
         self._task: concurrent.futures.Future | None = None
@@ -405,11 +447,20 @@ class HeartbeatStreamHandle:
         return self._answer(poll.response, timeout_s)
 
     def stop(self, timeout: timedelta | float = 5.0) -> None:
-        """Close the stream and wait for its task. Idempotent.
+        """Close the stream, wait for its task and give back the stream loop. Idempotent.
 
         The writer sends a goodbye and half-closes the stream: the lighthouse answers by ending it, a
         clean exit. Only if that takes longer than CLEAN_CLOSE_S is it cancelled."""
         self._stop.set()
+        try:
+            self._end_task(seconds(timeout))
+        finally:
+            with self._lock:
+                holds, self._holds_loop = self._holds_loop, False
+            if holds:
+                _StreamLoop.release(self._loop)
+
+    def _end_task(self, timeout_s: float) -> None:
         task = self._task
         if task is None:
             return
@@ -417,10 +468,9 @@ class HeartbeatStreamHandle:
             self._loop.call_soon_threadsafe(self._on_stop)
         except RuntimeError:  # the loop is gone (interpreter shutdown)
             return
-        if threading.current_thread() is _StreamLoop._thread:
+        if _on_loop(self._loop):
             return  # stopped from a listener on the loop itself: the task ends on its own
-        for wait_s, then in ((min(CLEAN_CLOSE_S, seconds(timeout)), "cancel the call"),
-                             (seconds(timeout), "cancel the task")):
+        for wait_s, then in ((min(CLEAN_CLOSE_S, timeout_s), "cancel the call"), (timeout_s, "cancel the task")):
             try:
                 task.result(wait_s)
                 return

@@ -117,18 +117,23 @@ class _LighthouseService:
             if waiter.issued is None:
                 await asyncio.wait((answered,), timeout=max(remaining, 0.0))
             if waiter.issued is None:
-                code = grpc.StatusCode.UNAVAILABLE if self._core.closed else grpc.StatusCode.DEADLINE_EXCEEDED
-                older = self._core.refused_by(member.replica_id)
-                why = ("(lighthouse shutting down)" if self._core.closed else
-                       f"before the deadline: refused, replica group already has a live member {older}; stop it "
-                       f"or wait until it is gone" if older else "before the deadline")
-                await context.abort(code, f"lighthouse Quorum: no quorum containing {member.replica_id} {why}")
+                code, message = self._no_quorum(member.replica_id)
+                await context.abort(code, f"lighthouse Quorum: {message}")
             return waiter.issued.response()
         except asyncio.CancelledError:  # the caller went away: its connection dropped, or it cancelled
             cancelled = True
             raise
         finally:  # answered, deadline, or cancelled
             self._core.leave(waiter, cancelled=cancelled)
+
+    def _no_quorum(self, replica_id: str) -> tuple[grpc.StatusCode, str]:
+        """Status and message for a quorum poll that ended unanswered: its deadline passed, or the lighthouse closes."""
+        if self._core.closed:
+            return grpc.StatusCode.UNAVAILABLE, f"no quorum containing {replica_id} (lighthouse shutting down)"
+        older = self._core.refused_by(replica_id)
+        why = (f": refused, replica group already has a live member {older}; stop it or wait until it is gone"
+               if older else "")
+        return grpc.StatusCode.DEADLINE_EXCEEDED, f"no quorum containing {replica_id} before the deadline{why}"
 
     async def Heartbeat(self, request: ft_pb2.LighthouseHeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> bytes:
@@ -254,13 +259,7 @@ class _LighthouseService:
             if waiter.issued is not None:  # issued in the same instant
                 outbox.put_nowait(waiter.issued.stream_response(rid))
                 return
-            closed = self._core.closed
-            older = self._core.refused_by(member.replica_id)
-            why = ("(lighthouse shutting down)" if closed else
-                   f"before the deadline: refused, replica group already has a live member {older}" if older else
-                   "before the deadline")
-            outbox.put_nowait(failure(grpc.StatusCode.UNAVAILABLE if closed else grpc.StatusCode.DEADLINE_EXCEEDED,
-                                      f"no quorum containing {member.replica_id} {why}"))
+            outbox.put_nowait(failure(*self._no_quorum(member.replica_id)))
 
         def wake() -> None:  # under the core's lock: queue the answer, never call back into the core
             if threading.get_ident() != self._loop_thread:

@@ -287,7 +287,7 @@ class LighthouseClient:
 
     def start_heartbeat_stream(self, replica_id: str,
                                interval: timedelta = timedelta(milliseconds=100)) -> HeartbeatStreamHandle:
-        """Keep a HeartbeatStream open from a daemon thread until `.stop()` (or `close()`)."""
+        """Keep a HeartbeatStream open on the process's stream loop until `.stop()` (or `close()`)."""
         if not replica_id:
             raise ConfigError("start_heartbeat_stream: replica_id must not be empty")
         handle = HeartbeatStreamHandle(self, replica_id, seconds(interval))

@@ -404,7 +404,7 @@ class LighthouseCore:
         quorum = Quorum(decision.quorum_id, decision.participants, created_unix_ms=int(time.time() * 1000))
         first_join = min(self._waiting[m.replica_id].joined_at for m in quorum.participants)
         changed = quorum.quorum_id != self._quorum_id or self._prev is None
-        if self._prev is None or self._prev.quorum_id != quorum.quorum_id:
+        if changed:
             self._notified.clear()  # notices concern the current quorum only
         self._prev = quorum
         self._quorum_id = quorum.quorum_id

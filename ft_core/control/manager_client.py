@@ -44,7 +44,6 @@ def result_from_pb(msg: ft_pb2.ManagerQuorumResponse) -> QuorumResult:
         replica_ids=list(msg.replica_ids))
 
 
-
 class ManagerClient:
     """Client of one group's manager server; every call has a deadline and typed errors."""
 
@@ -76,16 +75,11 @@ class ManagerClient:
 
     def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: timedelta | float) -> bool:
         """The group-wide commit decision for `step` (AND of every rank's vote)."""
-        return self.commit_round(group_rank, step, should_commit, False, timeout)[0]
-
-    def commit_round(self, group_rank: int, step: int, should_commit: bool, healed: bool,
-                     timeout: timedelta | float) -> tuple[bool, bool]:
-        """(AND of the ranks' votes, AND of their `healed` bits) for `step`."""
-        return self.vote_round(group_rank, step, should_commit, healed, timeout)[:2]
+        return self.vote_round(group_rank, step, should_commit, False, timeout)[0]
 
     def vote_round(self, group_rank: int, step: int, should_commit: bool, healed: bool,
                    timeout: timedelta | float, redoable: bool = False) -> tuple[bool, bool, bool]:
-        """commit_round plus the AND of the ranks' `redoable` bits (ft_core.redo)."""
+        """(AND of the ranks' votes, of their `healed` bits, of their `redoable` bits (ft_core.redo)) for `step`."""
         request = ft_pb2.ShouldCommitRequest(group_rank=group_rank, step=step, should_commit=should_commit,
                                              healed=healed, redoable=redoable)
         response = self._call(self._stub.ShouldCommit, request, "ShouldCommit", timeout)

@@ -30,7 +30,7 @@ from typing import Any
 
 from ft_core import net, settings
 from ft_core.control import manager_service, rpc
-from ft_core.control.heartbeat_stream import stream_loop
+from ft_core.control.heartbeat_stream import release_stream_loop, stream_loop
 from ft_core.control.lighthouse_client import LighthouseClient, StreamUnavailable
 from ft_core.control.manager_rounds import CommitRound, QuorumRound, RankRequest
 from ft_core.control.manager_client import ManagerClient
@@ -55,6 +55,13 @@ def answer_by(timeout_s: float) -> float:
     """Monotonic time at which to give up on a caller with `timeout_s` left: a little before its own
     deadline, so it receives our explanation instead of a bare DEADLINE_EXCEEDED."""
     return time.monotonic() + timeout_s - min(0.2, 0.1 * timeout_s)
+
+
+def _poll_s(member: QuorumMember, remaining_s: float) -> float:
+    """How long one lighthouse long poll may wait. While `member` reports unreachable peers the poll is
+    cut in REPROBE_S slices, each followed by a fresh probe: once the partition heals it joins with a
+    clean report instead of staying excluded."""
+    return REPROBE_S if member.unreachable and remaining_s > REPROBE_S else remaining_s
 
 
 class ManagerServer:
@@ -95,23 +102,25 @@ class ManagerServer:
                                                     thread_name_prefix=f"ft-manager[{cfg.replica_id}]")
         # grpc.aio on the loop of the group's heartbeat stream: a round completed by a remote call needs no
         # thread hop (ft_core.control.manager_service)
-        self._loop = stream_loop()
+        self._loop = stream_loop()  # held until shutdown
         try:
-            self._server, port = asyncio.run_coroutine_threadsafe(
-                manager_service.start_server(self, cfg.bind, cfg.token), self._loop).result(30)
-        except RuntimeError as exc:
-            self._handlers.shutdown(wait=False, cancel_futures=True)
-            raise ConfigError(f"manager server could not bind {cfg.bind!r} ({exc}); "
-                              f"pick a free port or port 0") from None
-        if not port:
-            self._handlers.shutdown(wait=False, cancel_futures=True)
-            raise ConfigError(f"manager server could not bind {cfg.bind!r}; pick a free port or port 0")
-        self._address = net.format_host_port(cfg.hostname, port)
-        try:
-            self._start_heartbeats()
+            try:
+                self._server, port = asyncio.run_coroutine_threadsafe(
+                    manager_service.start_server(self, cfg.bind, cfg.token), self._loop).result(30)
+            except RuntimeError as exc:
+                raise ConfigError(f"manager server could not bind {cfg.bind!r} ({exc}); "
+                                  f"pick a free port or port 0") from None
+            if not port:
+                raise ConfigError(f"manager server could not bind {cfg.bind!r}; pick a free port or port 0")
+            self._address = net.format_host_port(cfg.hostname, port)
+            try:
+                self._start_heartbeats()
+            except BaseException:
+                self._stop_server(None)
+                raise
         except BaseException:
-            self._stop_server(None)
             self._handlers.shutdown(wait=False, cancel_futures=True)
+            release_stream_loop(self._loop)
             raise
         logger.info("manager server for replica group %s listening on %s (world_size=%d, lighthouse=%s, "
                     "token=%s, kill=%s)", cfg.replica_id, self._address, cfg.world_size,
@@ -171,6 +180,7 @@ class ManagerServer:
             self._heartbeat_client.close()
         self._stop_server(0.2)
         self._handlers.shutdown(wait=True, cancel_futures=True)
+        release_stream_loop(self._loop)
 
     def _stop_server(self, grace: float | None) -> None:
         try:
@@ -410,18 +420,14 @@ class ManagerServer:
                 last = last or FTError(f"manager server of replica group {self.replica_id} is shutting down")
                 break
             try:
-                # While we report unreachable peers the poll is cut in slices, each followed by a fresh
-                # probe: once the partition heals we join with a clean report instead of staying excluded.
-                sliced = bool(member.unreachable) and remaining > REPROBE_S
-                answer = self._stream_quorum(member, REPROBE_S if sliced else remaining)
+                answer = self._stream_quorum(member, _poll_s(member, remaining))
                 if answer is not None:
                     return answer
                 client = self._lighthouse_client()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
-                sliced = bool(member.unreachable) and remaining > REPROBE_S
-                return client.quorum(member, timeout=timedelta(seconds=REPROBE_S if sliced else remaining))
+                return client.quorum(member, timeout=timedelta(seconds=_poll_s(member, remaining)))
             except FTTimeoutError as exc:
                 last = exc
                 if not (member.unreachable and deadline - time.monotonic() > 0 and not self._closed):
@@ -487,16 +493,12 @@ class ManagerServer:
     def should_commit_local(self, group_rank: int, step: int, should_commit: bool,
                             timeout: timedelta | float) -> bool:
         """Vote for `step` as `group_rank`; True only when every rank of the group votes True for that step."""
-        return self.commit_round_local(group_rank, step, should_commit, False, timeout)[0]
-
-    def commit_round_local(self, group_rank: int, step: int, should_commit: bool, healed: bool,
-                           timeout: timedelta | float) -> tuple[bool, bool]:
-        """(AND of the ranks' votes, AND of their `healed` bits) for `step`: the group's commit barrier."""
-        return self.vote_round_local(group_rank, step, should_commit, healed, timeout)[:2]
+        return self.vote_round_local(group_rank, step, should_commit, False, timeout)[0]
 
     def vote_round_local(self, group_rank: int, step: int, should_commit: bool, healed: bool,
                          timeout: timedelta | float, redoable: bool = False) -> tuple[bool, bool, bool]:
-        """commit_round_local plus the AND of the ranks' `redoable` bits (ft_core.redo)."""
+        """The group's commit barrier for `step`: (AND of the ranks' votes, of their `healed` bits, of their
+        `redoable` bits (ft_core.redo))."""
         self._check_rank("ShouldCommit", group_rank)
         self._check_step("ShouldCommit", step)
         timeout_s = rpc.seconds(timeout)

@@ -60,6 +60,9 @@ class QuorumWaitNotes:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout_s)
+            if thread.is_alive():
+                logger.warning("%s did not stop within %.1f s (a lighthouse status call still in flight)",
+                               thread.name, timeout_s)
 
     def _run(self) -> None:
         while not self._closed.is_set():

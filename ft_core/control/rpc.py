@@ -14,10 +14,9 @@ import selectors
 import socket
 import ssl
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from collections.abc import Awaitable
 from typing import Any, Callable
 
 import grpc

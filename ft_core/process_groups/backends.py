@@ -23,15 +23,14 @@ import torch.distributed as dist
 
 from ft_core.errors import FTTimeoutError, ProcessGroupError
 from ft_core.process_groups.base import (
-    COLLECTIVES,
-    DEFAULT_TIMEOUT,
-    CompletedWork,
     Deadlines,
     ProcessGroup,
     as_error,
     configure_store_host,
     default_opts,
+    flat_tensors,
     group_label,
+    op_future,
     op_result,
 )
 from ft_core.process_groups.gloo_abort import shutdown_sockets, socket_inodes
@@ -85,8 +84,7 @@ class _BackendWork(dist.Work):
         with self._lock:
             if self._future is not None:
                 return self._future
-            future = torch.futures.Future(devices=self._devices) if self._devices else torch.futures.Future()
-            future._ft_devices = tuple(self._devices or ())  # read by ft_core.futures.future_devices
+            future = op_future(self._devices or ())
 
             def done(exc: BaseException | None) -> None:
                 if exc is not None:
@@ -137,7 +135,7 @@ class ProcessGroupWrapper(ProcessGroup):
     def _devices(self, args: tuple) -> list[torch.device] | None:
         """The devices of the op's device tensors (Gloo takes CUDA tensors too): its future is made for
         them, so a reader waiting on it is ordered after the op on the GPU. None: host tensors only."""
-        found = {t.device for t in _flat_tensors(args) if t.device.type == "cuda"}
+        found = {t.device for t in flat_tensors(args) if t.device.type == "cuda"}
         return sorted(found, key=lambda d: d.index or 0) if found else None
 
     def _after_issue(self, work: _BackendWork, generation: int) -> None:
@@ -289,7 +287,7 @@ class _AcceleratorGroup(ProcessGroupWrapper):
 
     def _devices(self, args: tuple) -> list[torch.device] | None:
         """The devices of the op's tensors (its future is made for them), else the group's device."""
-        found = {t.device for t in _flat_tensors(args) if t.device.type == self.DEVICE}
+        found = {t.device for t in flat_tensors(args) if t.device.type == self.DEVICE}
         return sorted(found, key=lambda d: d.index or 0) if found else [self._current_device()]
 
     def _after_issue(self, work: _BackendWork, generation: int) -> None:
@@ -320,14 +318,6 @@ class _AcceleratorGroup(ProcessGroupWrapper):
     def shutdown(self) -> None:
         super().shutdown()
         self._deadlines.close()
-
-
-def _flat_tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in _flat_tensors(item)]
-    return []
 
 
 def _as_device(kind: str, device: torch.device | int | str | None) -> torch.device | None:

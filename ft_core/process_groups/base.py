@@ -13,7 +13,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -129,6 +129,29 @@ def op_result(name: str, args: tuple) -> Any:
     if name == "alltoall_base":
         return [args[0]]
     return []
+
+
+def flat_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors in a collective's arguments (nested lists and tuples), in order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in flat_tensors(item)]
+    return []
+
+
+def op_future(devices: Iterable[torch.device] = ()) -> torch.futures.Future:
+    """The future of an op on `devices` (CUDA; none: a plain CPU future). The devices are also kept on it
+    as `_ft_devices`, which ft_core.futures.future_devices reads (this room may not import that module)."""
+    devs = tuple(devices)
+    future = torch.futures.Future(devices=list(devs)) if devs else torch.futures.Future()
+    future._ft_devices = devs  # type: ignore[attr-defined]
+    return future
+
+
+def op_future_like(inner: torch.futures.Future) -> torch.futures.Future:
+    """An op future on the same CUDA devices as `inner`, so stream order carries through a wrapper."""
+    return op_future(getattr(inner, "_ft_devices", ()))
 
 
 # ---------------------------------------------------------------- works

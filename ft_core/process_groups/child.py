@@ -93,15 +93,11 @@ def connect_store(store_addr: str, timeout: timedelta) -> PrefixStore:
     return PrefixStore(prefix, client)
 
 
-def is_loopback(host: str) -> bool:
-    return net.is_loopback(host)
-
-
 def gloo_bind_address(store_host: str) -> str | None:
     """The local address a Gloo group binds to reach peers that rendezvous at `store_host`: loopback for
     a loopback store, else the source address of the route toward it (not the host name's address, which
     is 127.0.1.1 on many Debian/Ubuntu hosts); None (Gloo's default device) when there is no route."""
-    if is_loopback(store_host):
+    if net.is_loopback(store_host):
         return "127.0.0.1"
     try:
         return net.local_address_toward(store_host)
@@ -124,7 +120,7 @@ def use_nccl_interface_toward(store_host: str) -> None:
     """Point NCCL's bootstrap and socket transport at the interface of the route toward `store_host`,
     unless NCCL_SOCKET_IFNAME is set (then NCCL reads it, as in plain torch) or the store is on loopback
     (NCCL's own choice, as before). NCCL reads the variable once per process, at its first communicator."""
-    if os.environ.get("NCCL_SOCKET_IFNAME") or is_loopback(store_host):
+    if os.environ.get("NCCL_SOCKET_IFNAME") or net.is_loopback(store_host):
         return
     address = gloo_bind_address(store_host)
     name = net.interface_of(address) if address else None

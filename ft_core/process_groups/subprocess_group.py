@@ -32,7 +32,9 @@ from ft_core.process_groups.base import (
     ProcessGroup,
     configure_store_host,
     default_opts,
+    flat_tensors,
     group_label,
+    op_future,
     op_result,
 )
 from ft_core.process_groups.child import (
@@ -50,14 +52,6 @@ _REPLY_GRACE_S = 1.0
 # and CUDA state): "forkserver" forks each child from one preloaded server (fast reconfigure),
 # "spawn" starts each child from scratch (imports torch every time).
 START_METHODS = settings.get("FT_BABY_START_METHOD").choices  # ("forkserver", "spawn")
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in _tensors(item)]
-    return []
 
 
 @dataclass
@@ -144,11 +138,9 @@ class _Child:
                ready_event: Any) -> _Pending:
         # CUDA: the op's future is made for its tensors' devices, so whoever waits on it (or chains onto
         # it) is ordered after the receiver thread's completion, whatever stream it runs on.
-        devices = sorted({t.device for t in _tensors(args) if t.device.type == "cuda"}, key=lambda d: d.index or 0)
+        devices = sorted({t.device for t in flat_tensors(args) if t.device.type == "cuda"}, key=lambda d: d.index or 0)
         pending = _Pending(name=name, deadline=time.monotonic() + timeout, result=op_result(name, args),
-                           keep=(args, ready_event),
-                           future=torch.futures.Future(devices=devices) if devices else torch.futures.Future())
-        pending.future._ft_devices = tuple(devices)  # read by ft_core.futures.future_devices
+                           keep=(args, ready_event), future=op_future(devices))
         with self._lock:
             if self.error is not None:
                 raise self.error
@@ -345,7 +337,7 @@ class ProcessGroupBaby(ProcessGroup):
     def _prepare(self, name: str, args: tuple) -> Any:
         """Move CPU tensors to shared memory in place; returns the event the child must wait on."""
         device_tensor = None
-        for tensor in _tensors(args):
+        for tensor in flat_tensors(args):
             if tensor.device.type == "cpu":
                 if not tensor.is_shared():
                     try:

@@ -20,6 +20,7 @@ from ft_core.process_groups.base import (
     allreduce_opts,
     check_membership,
     default_opts,
+    op_future_like,
     op_result,
 )
 
@@ -98,14 +99,6 @@ class WrappedProcessGroup(ProcessGroupDelegate, ProcessGroupWrapper):
 ProcessGroupWrapper._wrapping_class = WrappedProcessGroup
 
 
-def _like(inner: torch.futures.Future) -> torch.futures.Future:
-    """A future on the same CUDA devices as `inner` (plain on CPU), so stream order carries through."""
-    devices = list(getattr(inner, "_ft_devices", ()))
-    future = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
-    future._ft_devices = tuple(devices)  # type: ignore[attr-defined]  # read by ft_core.futures
-    return future
-
-
 class _SwallowingWork(dist.Work):
     """Waits on the real work; an error is recorded on the wrapper and the op returns its inputs."""
 
@@ -126,7 +119,7 @@ class _SwallowingWork(dist.Work):
     def get_future(self) -> torch.futures.Future:
         if self._future is None:
             inner_future = self._work.get_future()
-            future = _like(inner_future)
+            future = op_future_like(inner_future)
 
             def done(inner: torch.futures.Future) -> None:
                 try:
@@ -200,7 +193,7 @@ class _FailingWork(dist.Work):
     def get_future(self) -> torch.futures.Future:
         if self._future is None:
             inner_future = self._work.get_future()
-            future = _like(inner_future)
+            future = op_future_like(inner_future)
             inner_future.add_done_callback(lambda _inner: future.set_exception(self._error))
             self._future = future
         return self._future

@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ft_core.tools.chaos_checks import (
@@ -55,8 +56,6 @@ from ft_core.tools.chaos_matrix import (
     matrix_table,
     parse_matrix,
 )
-
-__all__ = ["FAULT_KINDS", "NETWORK_KINDS", "ChaosConfig", "ChaosRun", "main"]
 from ft_core.tools.chaos_network import (
     LIGHTHOUSE_HOSTS,
     Network,
@@ -71,10 +70,21 @@ from ft_core.tools.chaos_worker import EXIT_FILE
 from ft_core.tools.launcher import GroupState, Launcher, LaunchEvent, StopSignals
 from ft_core.tools.netns import NetnsError
 
+__all__ = ["FAULT_KINDS", "NETWORK_KINDS", "ChaosConfig", "ChaosRun", "main"]
+
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05
 EXIT_SKIPPED = 3  # `--network` where simulated hosts cannot be made (not root, no `ip netns`, no nft)
+
+
+def _send(kill: Callable[[int, int], None], pids: Iterable[int], sig: int) -> None:
+    """`kill(pid, sig)` (os.kill or os.killpg) for each pid; one that has already ended is skipped."""
+    for pid in pids:
+        try:
+            kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 class ChaosRun:
@@ -188,9 +198,13 @@ class ChaosRun:
     def _record(self, kind: str, target: str, detail: str = "", **where: Any) -> None:
         fault = Fault(len(self.faults) + 1, kind, time.time(), target, detail, **where)
         self.faults.append(fault)
+        self._pause_faults()
+        self.say(f"fault {fault.index}/{self.cfg.faults} [bold]{kind}[/bold] {target} {detail}".rstrip())
+
+    def _pause_faults(self) -> None:
+        """The next fault waits for progress and a seeded pause from now."""
         self.progress_mark = self.max_step()
         self.next_fault_at = time.monotonic() + self.rng.uniform(0.5, 1.5) * self.cfg.interval
-        self.say(f"fault {fault.index}/{self.cfg.faults} [bold]{kind}[/bold] {target} {detail}".rstrip())
 
     def up_to_date(self) -> list[int]:
         """Up groups at the highest step any up group has logged: the holders of the latest state."""
@@ -216,11 +230,7 @@ class ChaosRun:
     def _hang(self, group: int) -> None:
         pids = self.launcher.status(group).pids
         hang_s = self.rng.uniform(1.2, 2.0) * max(self.cfg.timeout, self.cfg.heartbeat_timeout_ms / 1000.0)
-        for pid in pids:  # the launcher holds these unreaped, so the ids are still its children's
-            try:
-                os.killpg(pid, signal.SIGSTOP)
-            except ProcessLookupError:
-                pass
+        _send(os.killpg, pids, signal.SIGSTOP)  # the launcher holds these unreaped: the ids are still its children's
         self.stopped = Stopped(group, pids, time.monotonic() + hang_s)
         self._record("hang", f"group {group}", f"SIGSTOP for {hang_s:.1f}s", group=group,
                      incarnation=self.launcher.status(group).incarnation)
@@ -229,11 +239,7 @@ class ChaosRun:
         stopped, self.stopped = self.stopped, None
         assert stopped is not None
         if self.launcher.status(stopped.group).pids == stopped.pids:
-            for pid in stopped.pids:
-                try:
-                    os.killpg(pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
+            _send(os.killpg, stopped.pids, signal.SIGCONT)
         self.say(f"group {stopped.group} resumed (SIGCONT)")
 
     def _restart_lighthouse(self) -> None:
@@ -280,9 +286,7 @@ class ChaosRun:
             fault, end = self.net_fault, time.time()
             if self.network.due(time.monotonic()) is not None:
                 fault.end, self.net_fault = end, None
-                # the next fault waits for progress and a pause from here, as from any other fault's start
-                self.progress_mark = self.max_step()
-                self.next_fault_at = time.monotonic() + self.rng.uniform(0.5, 1.5) * self.cfg.interval
+                self._pause_faults()  # as from any other fault's start
                 self.say(f"{fault.kind} {fault.target} lifted after {end - fault.time:.1f}s")
         if self.lighthouse_back_at is not None and time.monotonic() >= self.lighthouse_back_at:
             self.lighthouse.start()
@@ -407,11 +411,7 @@ class ChaosRun:
     def _dump_stacks(self) -> None:
         """Every worker prints all its threads' stacks to its group log (SIGUSR1, faulthandler)."""
         for status in self.launcher.statuses():
-            for pid in status.pids:
-                try:
-                    os.kill(pid, signal.SIGUSR1)
-                except ProcessLookupError:
-                    pass
+            _send(os.kill, status.pids, signal.SIGUSR1)
         time.sleep(1.0)
         self.say(f"stalled: every worker's stacks are in {os.path.join(self.cfg.out, 'logs')}")
 

@@ -380,8 +380,7 @@ def main(argv: list[str]) -> int:
             def read_status() -> dict[str, Any]:
                 return fetch_status(address, token, timeout_s=1.0)
         watch = JobWatch(read_status, interval=0.2 if lighthouse is not None else 1.0,
-                                 on_note=lambda text: console.print(f"[yellow]\\[launch] {escape(text)}[/]",
-                                                                    soft_wrap=True))
+                         on_note=lambda text: console.print(f"[yellow]\\[launch] {escape(text)}[/]", soft_wrap=True))
 
         def on_event(event: LaunchEvent) -> None:
             watch.on_event(event)

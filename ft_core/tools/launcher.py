@@ -115,6 +115,16 @@ def restart_delay_after(base: float, crash_streak: int, cap: float = MAX_RESTART
     return max(base, min(cap, max(base, 0.5) * 2.0 ** (crash_streak - 1)))
 
 
+def _log_tail(path: str, nbytes: int) -> list[str]:
+    """The lines of the last `nbytes` of a rank's log file; none if it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - nbytes))
+            return f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return []
+
+
 def group_env(base: Mapping[str, str], *, group: int, num_groups: int, rank: int, nproc_per_group: int,
               master_port: int, lighthouse: str | None, token: str | None, restart_count: int) -> dict[str, str]:
     """The environment of one rank of one replica group (torchrun's names plus ours)."""
@@ -314,27 +324,23 @@ class Launcher:
 
     def fail_group(self, group: int, reason: str, grace: float | None = None) -> None:
         """End `group` (SIGTERM, then SIGKILL) and mark it lost for `reason`: the run then fails."""
-        with self._lock:
-            g = self._groups[group]
-            if g.state in (GroupState.DONE, GroupState.LOST, GroupState.STOPPED):
-                return
-            if g.state == GroupState.RUNNING and g.incarnation is not None:
-                self._terminate([g], self.stop_grace if grace is None else grace)
-            g.state = GroupState.LOST
-            g.detail = reason
-            self._emit("lost", g, reason)
+        self._end_group(group, grace, GroupState.LOST, reason, "lost")
 
     def stop_group(self, group: int, grace: float | None = None) -> None:
         """End `group` gently (SIGTERM, then SIGKILL after `grace` s); it is not restarted."""
+        self._end_group(group, grace, GroupState.STOPPED, "stopped by the launcher", "stopped")
+
+    def _end_group(self, group: int, grace: float | None, state: GroupState, detail: str, event: str) -> None:
+        """End a group still alive (SIGTERM, then SIGKILL after `grace` s) and leave it in `state`."""
         with self._lock:
             g = self._groups[group]
             if g.state in (GroupState.DONE, GroupState.LOST, GroupState.STOPPED):
                 return
             if g.state == GroupState.RUNNING and g.incarnation is not None:
                 self._terminate([g], self.stop_grace if grace is None else grace)
-            g.state = GroupState.STOPPED
-            g.detail = "stopped by the launcher"
-            self._emit("stopped", g, g.detail)
+            g.state = state
+            g.detail = detail
+            self._emit(event, g, detail)
 
     def poll(self) -> list[LaunchEvent]:
         """Reap ended groups, restart those that are due; return the events since the last poll."""
@@ -417,13 +423,14 @@ class Launcher:
         assert self.on_output is not None
         with stream:
             for raw in stream:
-                text = raw.decode("utf-8", "replace").strip()
+                line = raw.decode("utf-8", "replace")
+                text = line.strip()
                 if text:
                     self._groups[group].last_line = text
                     if _REFUSED in text:
                         self._groups[group].refusal = text
                 try:
-                    self.on_output(group, rank, raw.decode("utf-8", "replace").rstrip("\r\n"))
+                    self.on_output(group, rank, line.rstrip("\r\n"))
                 except Exception:  # a broken display must not stop the drain (the child would block)
                     logger.exception("output callback failed for group %d rank %d", group, rank)
 
@@ -459,12 +466,7 @@ class Launcher:
         path = self.log_path(g.index, rank)
         if not path:
             return g.last_line
-        try:
-            with open(path, "rb") as f:
-                f.seek(max(0, os.path.getsize(path) - 4096))
-                lines = [line.strip() for line in f.read().decode("utf-8", "replace").splitlines() if line.strip()]
-        except OSError:
-            return ""
+        lines = [line.strip() for line in _log_tail(path, 4096) if line.strip()]
         return lines[-1] if lines and not lines[-1].startswith("=====") else ""
 
     def _refusal(self, g: _Group, rank: int) -> str:
@@ -472,13 +474,7 @@ class Launcher:
         text = g.refusal
         path = self.log_path(g.index, rank)
         if path:
-            try:
-                with open(path, "rb") as f:
-                    f.seek(max(0, os.path.getsize(path) - 16384))
-                    text = next((line for line in reversed(f.read().decode("utf-8", "replace").splitlines())
-                                 if _REFUSED in line), "")
-            except OSError:
-                text = ""
+            text = next((line for line in reversed(_log_tail(path, 16384)) if _REFUSED in line), "")
         return text.split(_REFUSED, 1)[1].strip() if _REFUSED in text else ""
 
     def _after_death(self, g: _Group, what: str, crashed: bool) -> None:

@@ -31,11 +31,20 @@ from ft_core import ddp
 from ft_core.data import DistributedSampler as ExactlyOnceSampler
 from ft_core.data import global_shard
 from ft_core.errors import ConfigError, FTError, JobFinishedError
+from ft_core.manager import Manager, WorldSizeMode
+from ft_core.process_groups import (
+    ProcessGroupDelegate,
+    ProcessGroupGloo,
+    ProcessGroupNCCL,
+)
 from ft_lightning import _data
 from ft_lightning._events import attach_console
-from ft_core.manager import Manager, WorldSizeMode
-from ft_core.process_groups import ProcessGroupDelegate, ProcessGroupGloo, ProcessGroupNCCL
-from ft_lightning.accelerate.data import ExactlyOnceLoader, final_checkpoint, read_state, write_state
+from ft_lightning.accelerate.data import (
+    ExactlyOnceLoader,
+    final_checkpoint,
+    read_state,
+    write_state,
+)
 from ft_lightning.accelerate.plugin import FaultTolerancePlugin
 from ft_lightning.accelerate.state import (
     EpochAlignedLoader,
@@ -307,6 +316,12 @@ class FaultTolerantAccelerator(Accelerator):
 
     # --- prepare ------------------------------------------------------------------------------------------
 
+    def _ft_register(self, kind: str, obj: Any) -> None:
+        """Send `obj`'s state_dict to a healing group as the next `<kind>_<n>` (model, optimizer, scheduler)."""
+        index = self._ft_counts[kind]
+        self._ft_counts[kind] += 1
+        self.ft_manager.register_state_dict_fn(f"{kind}_{index}", obj.load_state_dict, obj.state_dict)
+
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> torch.nn.Module:
         already = getattr(model, "_is_accelerate_prepared", False)
@@ -320,10 +335,7 @@ class FaultTolerantAccelerator(Accelerator):
             prepared = ddp.DistributedDataParallel(self.ft_manager, prepared)
             prepared._is_accelerate_prepared = True
         prepared.register_forward_pre_hook(self._on_training_forward)
-        unwrapped = self.unwrap_model(prepared)
-        index = self._ft_counts["model"]
-        self._ft_counts["model"] += 1
-        self.ft_manager.register_state_dict_fn(f"model_{index}", unwrapped.load_state_dict, unwrapped.state_dict)
+        self._ft_register("model", self.unwrap_model(prepared))
         return prepared
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
@@ -337,19 +349,14 @@ class FaultTolerantAccelerator(Accelerator):
         prepared = FaultTolerantOptimizer(optimizer, self.ft_should_commit, device_placement=device_placement,
                                           scaler=scaler)
         self._optimizers.append(prepared)
-        index = self._ft_counts["optimizer"]
-        self._ft_counts["optimizer"] += 1
-        self.ft_manager.register_state_dict_fn(f"optimizer_{index}", prepared.load_state_dict, prepared.state_dict)
+        self._ft_register("optimizer", prepared)
         return prepared
 
     def prepare_scheduler(self, scheduler: Any) -> Any:
         already = getattr(scheduler, "_is_accelerate_prepared", False)
         prepared = super().prepare_scheduler(scheduler)
         if not already:
-            index = self._ft_counts["scheduler"]
-            self._ft_counts["scheduler"] += 1
-            self.ft_manager.register_state_dict_fn(f"scheduler_{index}", prepared.load_state_dict,
-                                                   prepared.state_dict)
+            self._ft_register("scheduler", prepared)
             step = prepared.step
 
             def aligned_step(*args: Any, **kwargs: Any) -> Any:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ft_core.errors import ConfigError
+from ft_lightning.accelerate.state import DelegatingLoader
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ STATE_FILE = "fault_tolerance_{rank}.json"  # one per process of the group, next
 STATE_VERSION = 1
 
 
-class ExactlyOnceLoader:
+class ExactlyOnceLoader(DelegatingLoader):
     """A prepared training DataLoader over the exactly-once sampler `ft_sampler` (see the module docstring).
 
     `exact` is Accelerate's loader around `DataLoader(batch_sampler=ft_sampler)`, `static` the group's
@@ -49,12 +50,6 @@ class ExactlyOnceLoader:
         self.active = False  # a training pass is being iterated
         self._pending = 0  # batches of this pass yielded and not yet weighed by a backward
         self._floor = 0  # passes the restored schedule had ended (healed or resumed into)
-
-    def __getattr__(self, name: str) -> Any:
-        inner = self.__dict__.get("_ft_inner")
-        if inner is None:
-            raise AttributeError(name)
-        return getattr(inner, name)
 
     def __len__(self) -> int:
         """Steps of an epoch when every replica group takes part (fewer groups take more steps)."""

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,42 +26,18 @@ from torch import nn
 
 from ft_core import DiLoCo
 from ft_core.errors import ConfigError
+from ft_lightning._diloco_options import DiLoCoOptions
 from ft_lightning.accelerate.accelerator import FaultTolerantAccelerator
 from ft_lightning.accelerate.plugin import FaultTolerancePlugin
 
 __all__ = ["DiLoCoPlugin", "FaultTolerantDiLoCoAccelerator"]
 
 
-@dataclass(frozen=True)
-class DiLoCoPlugin:
-    """DiLoCo's settings (torchft's names). `outer_optimizer` maps a fragment's parameters to its outer
-    optimizer (default Nesterov SGD, lr 0.7, momentum 0.9); `fragments` is a count (contiguous runs of
-    the model's leaf modules) or a function of the unwrapped model returning the fragment modules."""
-
-    sync_every: int = 100
-    outer_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
-    fragments: int | Callable[[nn.Module], list[nn.Module]] = 1
-    fragment_sync_delay: int = 0
-    fragment_update_alpha: float = 0.0
-    use_bucketization: bool = True
-    bucket_cap_mb: float | None = None
-
-    def split(self, model: nn.Module) -> list[nn.Module]:
-        if callable(self.fragments):
-            return list(self.fragments(model))
-        n = self.fragments
-        if n == 1:
-            return [model]
-        leaves = [m for m in model.modules() if not list(m.children()) and any(True for _ in m.parameters(False))]
-        if not 1 <= n <= len(leaves):
-            raise ConfigError(f"fragments={n} but the model has {len(leaves)} modules with parameters")
-        bounds = [round(i * len(leaves) / n) for i in range(n + 1)]
-        return [nn.ModuleList(leaves[a:b]) for a, b in zip(bounds, bounds[1:])]
-
-    def outer(self, params: Any) -> torch.optim.Optimizer:
-        if self.outer_optimizer is not None:
-            return self.outer_optimizer(params)
-        return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+class DiLoCoPlugin(DiLoCoOptions):
+    """DiLoCo's settings (torchft's names), those of the Lightning strategies (`DiLoCoOptions`):
+    `outer_optimizer` maps a fragment's parameters to its outer optimizer (default Nesterov SGD, lr 0.7,
+    momentum 0.9); `fragments` is a count (contiguous runs of the model's leaf modules) or a function
+    of the unwrapped model returning the fragment modules."""
 
 
 class FaultTolerantDiLoCoAccelerator(FaultTolerantAccelerator):
@@ -97,11 +72,8 @@ class FaultTolerantDiLoCoAccelerator(FaultTolerantAccelerator):
             return prepared
         if self._diloco_model is not None:
             raise ConfigError("FaultTolerantDiLoCoAccelerator drives one model; prepare only one trainable model")
-        unwrapped = self.unwrap_model(prepared)
-        self._diloco_model = unwrapped
-        index = self._ft_counts["model"]
-        self._ft_counts["model"] += 1
-        self.ft_manager.register_state_dict_fn(f"model_{index}", unwrapped.load_state_dict, unwrapped.state_dict)
+        self._diloco_model = self.unwrap_model(prepared)
+        self._ft_register("model", self._diloco_model)
         return prepared
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
@@ -113,17 +85,9 @@ class FaultTolerantDiLoCoAccelerator(FaultTolerantAccelerator):
         if self.diloco is not None or self._diloco_model is None:
             raise ConfigError("FaultTolerantDiLoCoAccelerator: prepare one model and then its one optimizer "
                               "(accelerator.prepare(model, optimizer, ...))")
-        index = self._ft_counts["optimizer"]
-        self._ft_counts["optimizer"] += 1
-        self.ft_manager.register_state_dict_fn(f"optimizer_{index}", prepared.load_state_dict, prepared.state_dict)
-        plugin = self.diloco_plugin
-        fragments = plugin.split(self._diloco_model)
-        self.outer_optimizers = [plugin.outer(f.parameters()) for f in fragments]
-        self.diloco = DiLoCo(self.ft_manager, fragments, prepared.optimizer, self.outer_optimizers,
-                             sync_every=plugin.sync_every, fragment_sync_delay=plugin.fragment_sync_delay,
-                             fragment_update_alpha=plugin.fragment_update_alpha,
-                             use_bucketization=plugin.use_bucketization, bucket_cap_mb=plugin.bucket_cap_mb)
-        self.diloco.__enter__()
+        self._ft_register("optimizer", prepared)
+        self.diloco, self.outer_optimizers = self.diloco_plugin.build(self.ft_manager, self._diloco_model,
+                                                                      prepared.optimizer)
         return prepared
 
     def ft_shutdown(self) -> None:

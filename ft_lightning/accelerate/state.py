@@ -94,7 +94,17 @@ def _byte_tensor(value: Any) -> torch.Tensor:
         torch.tensor(value, dtype=torch.uint8)
 
 
-class EpochAlignedLoader:
+class DelegatingLoader:
+    """A wrapper of a prepared loader (`_ft_inner`): every attribute it does not define is the loader's."""
+
+    def __getattr__(self, name: str) -> Any:
+        inner = self.__dict__.get("_ft_inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+
+class EpochAlignedLoader(DelegatingLoader):
     """A prepared training DataLoader that keeps a plain `for epoch in range(N): for batch in loader:`
     loop on the job's position after a heal.
 
@@ -116,12 +126,6 @@ class EpochAlignedLoader:
         self._window: tuple[int, int] = (0, 0)  # (passes, batch) at the start of the current step
         self._target: tuple[int, int] | None = None
         self._cut = False  # the current pass was ended early to reach the source's pass
-
-    def __getattr__(self, name: str) -> Any:
-        inner = self.__dict__.get("_ft_inner")
-        if inner is None:
-            raise AttributeError(name)
-        return getattr(inner, name)
 
     def __len__(self) -> int:
         return len(self._ft_inner)
