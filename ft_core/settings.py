@@ -169,6 +169,9 @@ SETTINGS: tuple[Setting, ...] = (
             "the job finished resumes from the newest one at the final step instead of retraining alone"),
     Setting("lighthouse_http", "FT_LIGHTHOUSE_HTTP", parse_str, None, "address",
             "status page http://host:port that `ftl status` reads (default: next to FT_LIGHTHOUSE)"),
+    Setting("lighthouse_peers", "FT_LIGHTHOUSE_PEERS", parse_str, None, "address",
+            "`ftl lighthouse`: the job's ordered lighthouse list (the same as FT_LIGHTHOUSE); the lighthouses ask "
+            "each other and only one serves the job, the others send members there (`--peers`)"),
     Setting("replica_group_id", "REPLICA_GROUP_ID", parse_int, 0, "integer",
             "this replica group's index, 0 .. NUM_REPLICA_GROUPS-1 (the Manager uses it as its name prefix)",
             set_by=LAUNCHER),

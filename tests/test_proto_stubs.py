@@ -23,7 +23,8 @@ def test_stubs_expose_the_services_of_the_design() -> None:
     from ft_core.control.proto import ft_pb2, ft_pb2_grpc
 
     lighthouse = ft_pb2.DESCRIPTOR.services_by_name["LighthouseService"]
-    assert [m.name for m in lighthouse.methods] == ["Quorum", "Heartbeat", "HeartbeatStream"]
+    # Peer: lighthouse to lighthouse (ft_core.control.lighthouse_peers)
+    assert [m.name for m in lighthouse.methods] == ["Quorum", "Heartbeat", "HeartbeatStream", "Peer"]
     stream = lighthouse.methods_by_name["HeartbeatStream"]
     assert stream.client_streaming and stream.server_streaming
     manager = ft_pb2.DESCRIPTOR.services_by_name["ManagerService"]

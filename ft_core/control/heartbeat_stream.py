@@ -173,6 +173,7 @@ class HeartbeatStreamHandle:
         self._channels: dict[str, grpc.aio.Channel] = {}  # used on the loop only
         self._stopped: asyncio.Event | None = None  # the loop's view of _stop (made on the loop)
         self._task: concurrent.futures.Future | None = None
+        self._redirected = False  # the last stream was turned away by a standing-by lighthouse (lighthouse_peers)
         self.last_error: Exception | None = None
 
     def _start(self) -> None:
@@ -224,7 +225,9 @@ class HeartbeatStreamHandle:
                     answered = False
                 if self._stop.is_set():
                     break
-                if answered:
+                if self._redirected:  # the client now prefers the active lighthouse: try it first (after a backoff)
+                    self._redirected, failures = False, 0
+                elif answered:
                     failures = 0
                     delays = backoff_delays(initial=0.05, cap=1.0, jitter=0.05)
                 else:
@@ -335,10 +338,15 @@ class HeartbeatStreamHandle:
         except grpc.RpcError as err:
             if not self._stop.is_set():
                 error = map_rpc_error(err, peer=addr, call="LighthouseService.HeartbeatStream")
-                if answered or self.last_error is None:
+                follow = getattr(self._client, "follow_redirect", None)  # a standing-by lighthouse names the active one
+                self._redirected = (getattr(error, "code", "") == "UNAVAILABLE" and follow is not None
+                                    and follow(addr, err.details() or "") is not None)
+                if self._redirected:
+                    logger.info("heartbeat stream of %s turned away by %s: %s", self.replica_id, addr, err.details())
+                elif answered or self.last_error is None:
                     logger.warning("heartbeat stream of %s broke: %s", self.replica_id, error)
                 self.last_error = error
-                if getattr(error, "code", "") == "UNAVAILABLE":
+                if getattr(error, "code", "") == "UNAVAILABLE" and not self._redirected:
                     self._client._reset(addr)
                     await self._drop_channel(addr)
         finally:

@@ -33,12 +33,13 @@ import grpc
 from ft_core import settings
 from ft_core.errors import ConfigError
 from ft_core.control.lighthouse_http import LighthouseMetrics, StatusHTTPServer
+from ft_core.control.lighthouse_peers import PeerWatch
 from ft_core.control.lighthouse_state import CLEAN_EXIT, LighthouseConfig, LighthouseCore, Waiter
 from ft_core.control.proto import ft_pb2
 from ft_core.control.quorum import member_problem, replica_id_problem
 from ft_core.control.rpc import SERVER_OPTIONS, AsyncTokenAuthInterceptor, add_server_port
 from ft_core.control.types import QuorumMember
-from ft_core.net import dial_host, format_host_port, is_loopback, split_host_port
+from ft_core.net import dial_host, format_host_port, is_loopback, split_addresses, split_host_port
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,13 @@ class _LighthouseService:
                 self.Heartbeat, request_deserializer=request, response_serializer=_raw),
             "HeartbeatStream": grpc.stream_stream_rpc_method_handler(
                 self.HeartbeatStream, request_deserializer=request, response_serializer=_raw),
+            "Peer": grpc.unary_unary_rpc_method_handler(
+                self.Peer, request_deserializer=ft_pb2.LighthousePeerState.FromString, response_serializer=_raw),
         }
+
+    async def Peer(self, request: ft_pb2.LighthousePeerState, context: grpc.aio.ServicerContext) -> bytes:
+        """Another lighthouse of the job asks what this one holds (ft_core.control.lighthouse_peers)."""
+        return self._core.peer_state().to_pb().SerializeToString()
 
     def _waker(self, answered: asyncio.Future) -> Callable[[], None]:
         """Wake `answered` from whichever thread the core decides on (nearly always the loop's own)."""
@@ -114,8 +121,10 @@ class _LighthouseService:
         try:
             if waiter.refusal is not None:  # the job finished ahead of this group (ft_core.control.job_end)
                 await context.abort(grpc.StatusCode.OUT_OF_RANGE, waiter.refusal)
-            if waiter.issued is None:
+            if waiter.issued is None and waiter.redirect is None:
                 await asyncio.wait((answered,), timeout=max(remaining, 0.0))
+            if waiter.issued is None and waiter.redirect is not None:  # standing by: go to the active lighthouse
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"lighthouse Quorum: {waiter.redirect}")
             if waiter.issued is None:
                 code, message = self._no_quorum(member.replica_id)
                 await context.abort(code, f"lighthouse Quorum: {message}")
@@ -142,6 +151,8 @@ class _LighthouseService:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lighthouse Heartbeat: {problem}")
         if request.finished:  # the group ended its training: recorded, no heartbeat (it is leaving)
             self._core.finished(request.replica_id, request.finished_step, request.finished_quorum_id)
+        elif (redirect := self._core.redirect) is not None:  # standing by: the client goes to the active one
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"lighthouse Heartbeat: {redirect}")
         else:
             self._core.heartbeat(request.replica_id)
         if request.want_status:
@@ -190,6 +201,10 @@ class _LighthouseService:
                 if request.leaving:  # said goodbye: its end of stream is a clean exit, not a death
                     why = CLEAN_EXIT
                     continue
+                redirect = self._core.redirect
+                if redirect is not None:  # standing by: end the stream; the client goes to the active lighthouse
+                    why = "turned away (standing by)"
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"lighthouse HeartbeatStream: {redirect}")
                 opened = replica_id is None
                 if opened:
                     replica_id = request.replica_id
@@ -259,6 +274,9 @@ class _LighthouseService:
             if waiter.issued is not None:  # issued in the same instant
                 outbox.put_nowait(waiter.issued.stream_response(rid))
                 return
+            if waiter.redirect is not None:  # this lighthouse now stands by
+                outbox.put_nowait(failure(grpc.StatusCode.UNAVAILABLE, waiter.redirect))
+                return
             outbox.put_nowait(failure(*self._no_quorum(member.replica_id)))
 
         def wake() -> None:  # under the core's lock: queue the answer, never call back into the core
@@ -277,6 +295,9 @@ class _LighthouseService:
         if waiter.refusal is not None:  # the job finished ahead of this group (ft_core.control.job_end)
             outbox.put_nowait(ft_pb2.LighthouseHeartbeatResponse(
                 request_id=rid, error_code=grpc.StatusCode.OUT_OF_RANGE.name, error=waiter.refusal).SerializeToString())
+            return
+        if waiter.redirect is not None:  # standing by (ft_core.control.lighthouse_peers)
+            outbox.put_nowait(failure(grpc.StatusCode.UNAVAILABLE, waiter.redirect))
             return
         if waiter.issued is not None:  # the last to join: issued at once
             outbox.put_nowait(waiter.issued.stream_response(rid))
@@ -303,13 +324,17 @@ class LighthouseServer:
 
     def __init__(self, bind: str = "127.0.0.1:0", min_replicas: int = 1, join_timeout_ms: int | None = 60_000,
                  quorum_tick_ms: int | None = 100, heartbeat_timeout_ms: int | None = 5_000, token: str | None = None,
-                 http_bind: str | None = "127.0.0.1:0") -> None:
-        # None means the default, as in torchft's LighthouseServer
+                 http_bind: str | None = "127.0.0.1:0", peers: str | list[str] | None = None) -> None:
+        # None means the default, as in torchft's LighthouseServer. peers: the job's ordered lighthouse list
+        # (this one may be in it), so a standby never splits the job (ft_core.control.lighthouse_peers).
         self.config = LighthouseConfig(bind=bind, http_bind=http_bind, min_replicas=min_replicas,
                                        join_timeout_ms=60_000 if join_timeout_ms is None else join_timeout_ms,
                                        quorum_tick_ms=100 if quorum_tick_ms is None else quorum_tick_ms,
                                        heartbeat_timeout_ms=5_000 if heartbeat_timeout_ms is None else heartbeat_timeout_ms,
-                                       token=settings.value("FT_TOKEN", token))
+                                       token=settings.value("FT_TOKEN", token),
+                                       peers=tuple(split_addresses(settings.value(
+                                           "FT_LIGHTHOUSE_PEERS", ",".join(peers) if isinstance(peers, list) else peers)
+                                           or "")))
         self._host, self._requested_port = split_host_port(bind, "lighthouse bind address", hint="port 0 picks a free one")
         self.metrics = LighthouseMetrics()
         self.core = LighthouseCore(self.config, self.metrics)
@@ -318,6 +343,8 @@ class LighthouseServer:
         self._loop = asyncio.new_event_loop()
         self._server: grpc.aio.Server | None = None
         self._ticker: asyncio.Task | None = None
+        self._peer_watch: PeerWatch | None = None
+        self._watcher: asyncio.Task | None = None
         self._thread = threading.Thread(target=self._run_loop, name="ftl-lighthouse-grpc", daemon=True)
         self._thread.start()
         self._http: StatusHTTPServer | None = None
@@ -351,6 +378,10 @@ class LighthouseServer:
         await server.start()
         self._server = server
         self._ticker = asyncio.get_running_loop().create_task(self._tick_loop(), name="ftl-lighthouse-tick")
+        self.core.address = format_host_port(dial_host(self._host), port)
+        if self.config.peers:
+            self._peer_watch = PeerWatch(self.config.peers, self.core, self.config.token)
+            self._watcher = asyncio.get_running_loop().create_task(self._peer_watch.run(), name="ftl-lighthouse-peers")
         return port
 
     async def _tick_loop(self) -> None:
@@ -365,6 +396,11 @@ class LighthouseServer:
     async def _stop(self, grace: float) -> None:
         if self._ticker is not None:
             self._ticker.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)
+        if self._peer_watch is not None:
+            await self._peer_watch.close()
         if self._server is not None:
             await self._server.stop(grace)
         # Let every cancelled handler finish before the loop closes (no coroutine left to die at exit).
@@ -424,6 +460,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=5_000,
                         help="a silent replica is dead after this long")
     parser.add_argument("--token", default=None, help="shared token required on every call (or FT_TOKEN)")
+    parser.add_argument("--peers", default=None,
+                        help="the job's ordered lighthouse list, the same as FT_LIGHTHOUSE (or FT_LIGHTHOUSE_PEERS): "
+                             "only one of them serves the job, the others send members there")
     parser.add_argument("--tls-cert", default=None,
                         help="PEM certificate: serve gRPC and HTTP over TLS (or FT_TLS_CERT)")
     parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert (or FT_TLS_KEY)")
@@ -451,7 +490,7 @@ def main(argv: list[str]) -> int:
         server = LighthouseServer(bind=opts.bind, min_replicas=opts.min_replicas,
                                   join_timeout_ms=opts.join_timeout_ms, quorum_tick_ms=opts.quorum_tick_ms,
                                   heartbeat_timeout_ms=opts.heartbeat_timeout_ms, token=opts.token,
-                                  http_bind=None if opts.http_bind == "off" else opts.http_bind)
+                                  http_bind=None if opts.http_bind == "off" else opts.http_bind, peers=opts.peers)
     except ConfigError as exc:
         console.print(f"[red]ftl lighthouse: {escape(str(exc))}[/red]", soft_wrap=True)
         return 2

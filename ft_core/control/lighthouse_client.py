@@ -21,6 +21,7 @@ import grpc
 
 from ft_core import settings
 from ft_core.errors import ConfigError, FTError, FTTimeoutError, RPCError
+from ft_core.control.lighthouse_peers import redirect_target
 from ft_core.control.heartbeat_stream import (  # noqa: F401 - StreamUnavailable is part of this module's API
     CLIENT_CHANNEL_OPTIONS,
     CONNECT_ATTEMPT_S,
@@ -182,6 +183,22 @@ class LighthouseClient:
         start = self._preferred
         return [self._addrs[(start + i) % len(self._addrs)] for i in range(len(self._addrs))]
 
+    def follow_redirect(self, addr: str, message: str) -> str | None:
+        """`addr` stands by for another lighthouse of the job (ft_core.control.lighthouse_peers): prefer the
+        one its answer names, when it is one of our addresses; returns it (None: no usable redirect)."""
+        target = redirect_target(message)
+        if target is None or target == addr:
+            return None
+        if target not in self._addrs:
+            logger.warning("lighthouse %s sends us to %s, which is not in our lighthouse list %s; add it to "
+                           "FT_LIGHTHOUSE (failing over in list order meanwhile)", addr, target, ",".join(self._addrs))
+            return None
+        if self._addrs[self._preferred] != target:
+            logger.info("lighthouse %s stands by for %s: going there", addr, target,
+                        extra={"event": "lighthouse_redirect", "peer": addr, "active": target})
+        self._preferred = self._addrs.index(target)
+        return target
+
     def _unary(self, name: str, invoke: Callable[[ft_pb2_grpc.LighthouseServiceStub], Any], request: Any,
                timeout: timedelta | float) -> Any:
         """One call with failover across addresses, all within `timeout`."""
@@ -190,7 +207,9 @@ class LighthouseClient:
         first_failure: float | None = None  # connect_timeout counts from the first failed connection
         delays = backoff_delays(initial=0.05, cap=1.0, jitter=0.05)
         last_problem = "no attempt made"
+        followed: set[str] = set()  # redirects taken at once in this call (another one waits its backoff)
         while True:
+            redirected = False
             for addr in self._order():
                 now = time.monotonic()
                 if now >= deadline:
@@ -208,12 +227,20 @@ class LighthouseClient:
                 except RPCError as exc:
                     if exc.code != "UNAVAILABLE":
                         raise
-                    self._reset(addr)
                     last_problem = str(exc)
+                    target = self.follow_redirect(addr, str(exc))
+                    if target is not None and target not in followed:
+                        followed.add(target)  # a standing-by lighthouse answered: go to the active one now
+                        redirected = True
+                        break
+                    if target is None:
+                        self._reset(addr)
                     first_failure = first_failure or time.monotonic()
                     continue
                 self._preferred = self._addrs.index(addr)
                 return response
+            if redirected:
+                continue
             now = time.monotonic()
             if first_failure is not None and now - first_failure >= self._connect_timeout_s and now < deadline:
                 raise RPCError(f"LighthouseService.{name}: no lighthouse reachable at {', '.join(self._addrs)} "

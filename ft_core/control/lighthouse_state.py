@@ -9,6 +9,7 @@ polling.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from typing import Any
 
 from ft_core.errors import ConfigError
 from ft_core.control.job_end import FinishedGroup, late_group_problem
+from ft_core.control.lighthouse_peers import PeerState, PeerView
 from ft_core.control.proto import ft_pb2
 from ft_core.control.quorum import (
     Joined,
@@ -27,6 +29,7 @@ from ft_core.control.quorum import (
     prune_heartbeats,
 )
 from ft_core.control.types import Quorum, QuorumMember
+from ft_core.net import split_host_port
 
 logger = logging.getLogger("ft_core.control.lighthouse")
 
@@ -49,6 +52,7 @@ class LighthouseConfig:
     quorum_tick_ms: int = 100
     heartbeat_timeout_ms: int = 5_000
     token: str | None = field(default=None, repr=False)
+    peers: tuple[str, ...] = ()  # the job's ordered lighthouse list (ft_core.control.lighthouse_peers)
 
     def __post_init__(self) -> None:
         checks = [(self.min_replicas >= 1, f"min_replicas must be >= 1, got {self.min_replicas}"),
@@ -59,6 +63,9 @@ class LighthouseConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(f"lighthouse: {message}")
+        for peer in self.peers:  # each one host:port, as in FT_LIGHTHOUSE
+            split_host_port(peer, "lighthouse peer address (--peers / FT_LIGHTHOUSE_PEERS)", default_host=None,
+                            hint="pass the job's lighthouse list as in FT_LIGHTHOUSE, e.g. 10.0.0.1:29510,10.0.0.2:29510")
 
     @property
     def rules(self) -> QuorumConfig:
@@ -114,12 +121,13 @@ def _request_id_field(request_id: int) -> bytes:
 class Waiter:
     """One in-flight Quorum call; `wake` is called (under the core's lock) once it has an answer or must end."""
 
-    __slots__ = ("issued", "member", "refusal", "wake")
+    __slots__ = ("issued", "member", "redirect", "refusal", "wake")
 
     def __init__(self, member: QuorumMember, wake: Callable[[], None]) -> None:
         self.member = member
         self.issued: Issued | None = None
         self.refusal: str | None = None  # set instead of waiting: the job finished ahead of it (job_end)
+        self.redirect: str | None = None  # set instead of waiting: this lighthouse stands by (lighthouse_peers)
         self.wake = wake
 
 
@@ -150,6 +158,12 @@ class LighthouseCore:
         self._notified: set[tuple[int, str]] = set()  # (quorum_id, lost replica) already pushed
         self._notifier: PeerLostNotifier | None = None
         self._finished: dict[str, FinishedGroup] = {}  # groups that ended training (in memory: this process only)
+        self.lighthouse_id = secrets.token_hex(8)  # recognises itself in its peer list (lighthouse_peers)
+        self.address = ""  # the address clients dial, set once the server listens
+        self._awaiting_peers = bool(config.peers)  # no quorum before the first look at the peers
+        self._redirect: str | None = None  # while standing by: the answer naming the active lighthouse
+        self._standing_by_for = ""
+        self._peer_views: list[dict[str, Any]] = []
 
     # -- inputs -------------------------------------------------------------------------------
 
@@ -163,6 +177,10 @@ class LighthouseCore:
         member = waiter.member
         with self._lock:
             rid = member.replica_id
+            if self._redirect is not None:
+                waiter.redirect = self._redirect
+                waiter.wake()
+                return
             if self._finished and self._refuse_late_locked(waiter, now):
                 return
             if rid not in self._dead:
@@ -200,7 +218,63 @@ class LighthouseCore:
     def quorum_status(self) -> str:
         """Why no quorum is issued now (or that one is), as /status and `ftl status` give it."""
         with self._lock:
-            return decide(self._state_locked(), time.monotonic(), self._rules).reason
+            return self._reason_locked(decide(self._state_locked(), time.monotonic(), self._rules).reason)
+
+    def _reason_locked(self, reason: str) -> str:
+        if self._redirect is not None:
+            return self._redirect
+        if self._awaiting_peers:
+            return f"asking the peer lighthouses {','.join(self.config.peers)} who serves the job"
+        return reason
+
+    # -- peers (ft_core.control.lighthouse_peers) ----------------------------------------------
+
+    @property
+    def redirect(self) -> str | None:
+        """While this lighthouse stands by: the UNAVAILABLE answer naming the active one; None while it serves."""
+        return self._redirect
+
+    def peer_state(self) -> PeerState:
+        """What this lighthouse tells its peers: its live members and the highest step they hold."""
+        now = time.monotonic()
+        with self._lock:
+            live = healthy_replicas(self._heartbeats, now, self._rules)
+            steps = [self._known[rid].step for rid in live if rid in self._known]
+            return PeerState(self.lighthouse_id, self.address, len(live), max(steps, default=0), self._quorum_id,
+                             self._standing_by_for)
+
+    def set_peer_picture(self, active: PeerView | None, message: str, views: list[dict[str, Any]]) -> None:
+        """The peer watch's verdict: stand by for `active` (turning every member away) or serve (None)."""
+        now = time.monotonic()
+        with self._lock:
+            self._peer_views = views
+            first, self._awaiting_peers = self._awaiting_peers, False
+            target = active.address if active is not None else ""
+            if target == self._standing_by_for:
+                self._redirect = message or None
+                if first and self._waiting and not self._closed:
+                    self._decide_locked(now)
+                return
+            self._standing_by_for, self._redirect = target, message or None
+            if active is None:
+                logger.warning("lighthouse %s serves the job again: no reachable peer lighthouse outranks it",
+                               self.address, extra={"event": "lighthouse_active"})
+                if self._waiting and not self._closed:
+                    self._decide_locked(now)
+                return
+            turned = sorted(set(self._heartbeats) | set(self._waiting))
+            held = active.state
+            logger.warning("lighthouse %s stands by for %s, which holds the job (%d live member(s) at step %d); "
+                           "turning away %d member(s) %s and every later one, to go there", self.address, target,
+                           held.live_members if held else 0, held.max_step if held else 0, len(turned), turned,
+                           extra={"event": "lighthouse_redirect", "active": target, "replica_ids": turned})
+            for waiters in self._waiters.values():
+                for waiter in waiters:
+                    waiter.redirect = message
+                    waiter.wake()
+            for table in (self._waiting, self._heartbeats, self._streams, self._first_seen, self._known, self._dead):
+                table.clear()
+            self._expired.clear()
 
     def _came_alive_locked(self, rid: str, now: float) -> None:
         """Before a heartbeat is recorded: a replica absent or expired until now is newly alive (rule 8 ages)."""
@@ -269,6 +343,8 @@ class LighthouseCore:
         """A heartbeat (unary or stream message): the replica is alive now."""
         now = time.monotonic()
         with self._lock:
+            if self._redirect is not None:
+                return  # standing by: the service turns the member away
             self._dead.pop(replica_id, None)
             seen = self._heartbeats.get(replica_id)
             self._heartbeats[replica_id] = now
@@ -286,6 +362,8 @@ class LighthouseCore:
     def stream_opened(self, replica_id: str, token: object) -> None:
         """A heartbeat stream sent its first message: it is now this replica's liveness signal."""
         with self._lock:
+            if self._redirect is not None:
+                return
             self._streams[replica_id] = token
             self._dead.pop(replica_id, None)
         self.heartbeat(replica_id)
@@ -388,6 +466,8 @@ class LighthouseCore:
         return LighthouseState(self._waiting, self._heartbeats, self._prev, self._quorum_id, self._first_seen)
 
     def _decide_locked(self, now: float) -> None:
+        if self._awaiting_peers or self._redirect is not None:
+            return  # no quorum before the first look at the peers, nor while standing by
         decision = decide(self._state_locked(), now, self._rules)
         if decision.reason != self._last_reason:
             self._last_reason = decision.reason
@@ -445,7 +525,7 @@ class LighthouseCore:
         now_ms = int(time.time() * 1000)
         with self._lock:
             decision = decide(self._state_locked(), now, self._rules)
-            reason = decision.reason
+            reason = self._reason_locked(decision.reason)
             healthy = healthy_replicas(self._heartbeats, now, self._rules)
             steps = [m.step for m in self._known.values()]
             prev = self._prev
@@ -484,5 +564,6 @@ class LighthouseCore:
                     "heartbeat_timeout_ms": self.config.heartbeat_timeout_ms,
                     "quorum_tick_ms": self.config.quorum_tick_ms, "quorums_issued": self._issued,
                     "token_required": bool(self.config.token), "now_unix_ms": now_ms,
+                    "peers": list(self._peer_views), "standing_by_for": self._standing_by_for,
                     "finished": [{"replica_id": f.replica_id, "step": f.step, "quorum_id": f.quorum_id,
                                   "at_unix_ms": f.at_unix_ms} for f in self._finished.values()]}

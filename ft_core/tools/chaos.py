@@ -123,6 +123,8 @@ class ChaosRun:
             self.lighthouses = [LighthouseProcess(cfg, os.path.join(cfg.out, f"lighthouse.{name}.log"),
                                                   host=self.network.address(name), prefix=self.network.prefix(name))
                                 for name in LIGHTHOUSE_HOSTS]
+            for lighthouse in self.lighthouses:  # they ask each other, so they never split the job (docs/chaos.md gap 4)
+                lighthouse.peers = [lh.address for lh in self.lighthouses]
         self.lighthouse = self.lighthouses[0]  # the one the `lighthouse` fault kills and restarts
         worker = [sys.executable, "-m", "ft_core.tools.chaos_worker", "--out", cfg.out,
                   "--min-replicas", str(cfg.min_replicas), "--timeout", str(cfg.timeout),

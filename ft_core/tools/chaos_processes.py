@@ -26,12 +26,15 @@ class LighthouseProcess:
         self.proc: subprocess.Popen | None = None
         self.pids: list[int] = []
         self.starts = 0
+        self.peers: list[str] = []  # the job's lighthouse list, passed as --peers (a primary and its standby)
 
     def start(self) -> None:
         cfg = self._cfg
         argv = [*self._prefix, sys.executable, "-m", "ft_core", "lighthouse", "--bind", self.address, "--http-bind", "off",
                 "--min-replicas", str(cfg.min_replicas), "--join-timeout-ms", str(cfg.join_timeout_ms),
                 "--heartbeat-timeout-ms", str(cfg.heartbeat_timeout_ms), "--log-level", "WARNING"]
+        if self.peers:
+            argv += ["--peers", ",".join(self.peers)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if cfg.token:
             env["FT_TOKEN"] = cfg.token

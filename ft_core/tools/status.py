@@ -148,6 +148,25 @@ def finished_line(status: dict[str, Any]) -> str | None:
         " (a group joining behind that step with no live peer there is refused)"
 
 
+def peers_line(status: dict[str, Any]) -> str | None:
+    """The peer lighthouses (`ftl lighthouse --peers`) as this one last saw them, and whether it stands by; or None."""
+    peers = status.get("peers") or []
+    if not peers:
+        return None
+    seen = []
+    for p in peers:
+        if p.get("self"):
+            seen.append(f"{p['address']} (this one)")
+        elif p.get("reachable"):
+            by = f", standing by for {p['standing_by_for']}" if p.get("standing_by_for") else ""
+            seen.append(f"{p['address']} ({p.get('live_members', 0)} live at step {p.get('max_step', 0)}{by})")
+        else:
+            seen.append(f"{p['address']} (unreachable: {p.get('problem') or 'no answer yet'})")
+    active = status.get("standing_by_for")
+    role = f"standing by for {active}: members are sent there" if active else "serving the job"
+    return f"lighthouses: {role}; peers " + ", ".join(seen)
+
+
 def main(argv: list[str]) -> int:
     from rich.console import Console
 
@@ -171,11 +190,13 @@ def main(argv: list[str]) -> int:
     if not console.is_terminal:  # piped: nothing truncated or wrapped
         print(render_plain(status))
         print(f"next quorum: {status['reason']}")
-        if finished_line(status):
-            print(finished_line(status))
+        for line in (finished_line(status), peers_line(status)):
+            if line:
+                print(line)
         return 0
     console.print(render(status))
     console.print(f"next quorum: {status['reason']}", markup=False)
-    if finished_line(status):
-        console.print(finished_line(status), markup=False)
+    for line in (finished_line(status), peers_line(status)):
+        if line:
+            console.print(line, markup=False)
     return 0

@@ -1,7 +1,8 @@
 """Gaps the chaos matrix found, reproduced minimally (real processes, a real lighthouse). Each test
-states the promise. Gaps 1 and 3 failed when found and pass since their fixes (the healer is not
+states the promise. Gaps 1, 3 and 4 failed when found and pass since their fixes (the healer is not
 counted in the vote, and a heal completes through the commit barrier's `healed` bit; the sampler
-drops an uncommitted attempt when a new pass begins); gap 4 is open (xfail, strict). The numbers are
+drops an uncommitted attempt when a new pass begins; the lighthouses, given each other with `peers=`,
+let only one of them serve the job, ft_core.control.lighthouse_peers). The numbers are
 those of docs/chaos.md's "Gaps the matrix found" (gaps 2 and 5 are described there).
 
 1. min_replica_size counts a healer whose load then fails, so a lone group keeps committing
@@ -30,7 +31,9 @@ min_replica_size instead; so do we now.
    groups 0 and 2 trained on the standby). Reproduced without a network fault: groups 0 and 1 start
    while only the standby runs, so they train on it; the primary then starts, and a group that joins
    now (a restart, a new group) goes to the primary, the first address, and never joins the job.
-   With 4 groups split 2-2, both halves would commit their own history.
+   With 4 groups split 2-2, both halves would commit their own history. Now each lighthouse is given the
+   job's ordered list (`peers=`, `ftl lighthouse --peers`): the restarted primary sees that the standby
+   holds the job and stands by, so group 2 is sent there and trains with the others.
 """
 
 from __future__ import annotations
@@ -123,13 +126,13 @@ def wait_for(predicate, timeout: float) -> bool:
 
 
 @pytest.mark.timeout(110)
-@pytest.mark.xfail(strict=True, reason="gap 4: independent primary and standby lighthouses split the job; a group "
-                                       "that joins on the primary while the others train on the standby waits alone")
 def test_a_group_that_joins_after_a_failover_to_the_standby_lighthouse_joins_the_job(processes, tmp_path):
     out = str(tmp_path)
     primary = f"127.0.0.1:{free_port()}"  # not running yet: the first groups fail over to the standby
-    with LighthouseServer(min_replicas=2, join_timeout_ms=1000, heartbeat_timeout_ms=2000, http_bind=None) as standby:
-        both = f"{primary},{standby.address()}"
+    standby_addr = f"127.0.0.1:{free_port()}"
+    both = f"{primary},{standby_addr}"  # each lighthouse is given the job's ordered list, as FT_LIGHTHOUSE
+    with LighthouseServer(bind=standby_addr, min_replicas=2, join_timeout_ms=1000, heartbeat_timeout_ms=2000,
+                          http_bind=None, peers=both) as standby:
 
         def start(group: int) -> None:
             log = open(tmp_path / f"g{group}.log", "w")  # noqa: SIM115 - the child's output
@@ -143,9 +146,14 @@ def test_a_group_that_joins_after_a_failover_to_the_standby_lighthouse_joins_the
         assert wait_for(lambda: all(len(committed(out, g)) >= 5 for g in ("0", "1")), 60), \
             "groups 0 and 1 did not train on the standby lighthouse"
         with LighthouseServer(bind=primary, min_replicas=2, join_timeout_ms=1000, heartbeat_timeout_ms=2000,
-                              http_bind=None):
+                              http_bind=None, peers=both) as restarted:
             start(2)
             joined = wait_for(lambda: len(committed(out, "2")) >= 3, 40)
             others = {g: len(committed(out, g)) for g in ("0", "1")}
+            held = restarted.core.status()
         assert joined, f"group 2 never committed (it waits on the primary alone) while the others committed {others}"
+        assert held["standing_by_for"] == standby.address(), f"the primary did not stand by for the standby: {held}"
+        assert not [m for m in held["members"] if m["healthy"]], f"the standing-by primary kept members: {held}"
+        peers = {p["address"]: p for p in held["peers"]}
+        assert peers[primary]["self"] and peers[standby.address()]["live_members"] >= 2, held["peers"]
 

@@ -102,6 +102,22 @@ class LighthouseHeartbeatResponse(_message.Message):
     quorum_status: str
     def __init__(self, peer_lost: _Optional[_Union[PeerLost, _Mapping]] = ..., request_id: _Optional[int] = ..., quorum_response: _Optional[bytes] = ..., error_code: _Optional[str] = ..., error: _Optional[str] = ..., quorum_status: _Optional[str] = ...) -> None: ...
 
+class LighthousePeerState(_message.Message):
+    __slots__ = ("lighthouse_id", "address", "live_members", "max_step", "quorum_id", "standing_by_for")
+    LIGHTHOUSE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEP_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
+    STANDING_BY_FOR_FIELD_NUMBER: _ClassVar[int]
+    lighthouse_id: str
+    address: str
+    live_members: int
+    max_step: int
+    quorum_id: int
+    standing_by_for: str
+    def __init__(self, lighthouse_id: _Optional[str] = ..., address: _Optional[str] = ..., live_members: _Optional[int] = ..., max_step: _Optional[int] = ..., quorum_id: _Optional[int] = ..., standing_by_for: _Optional[str] = ...) -> None: ...
+
 class ManagerQuorumRequest(_message.Message):
     __slots__ = ("group_rank", "step", "checkpoint_metadata", "shrink_only", "init_sync", "commit_failures", "commit_quorum_id")
     GROUP_RANK_FIELD_NUMBER: _ClassVar[int]

@@ -49,6 +49,11 @@ class LighthouseServiceStub:
                 request_serializer=ft__pb2.LighthouseHeartbeatRequest.SerializeToString,
                 response_deserializer=ft__pb2.LighthouseHeartbeatResponse.FromString,
                 _registered_method=True)
+        self.Peer = channel.unary_unary(
+                '/ftl.LighthouseService/Peer',
+                request_serializer=ft__pb2.LighthousePeerState.SerializeToString,
+                response_deserializer=ft__pb2.LighthousePeerState.FromString,
+                _registered_method=True)
 
 
 class LighthouseServiceServicer:
@@ -75,6 +80,13 @@ class LighthouseServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Peer(self, request, context):
+        """Lighthouse to lighthouse: the caller's state in, the callee's state out.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LighthouseServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +104,11 @@ def add_LighthouseServiceServicer_to_server(servicer, server):
                     servicer.HeartbeatStream,
                     request_deserializer=ft__pb2.LighthouseHeartbeatRequest.FromString,
                     response_serializer=ft__pb2.LighthouseHeartbeatResponse.SerializeToString,
+            ),
+            'Peer': grpc.unary_unary_rpc_method_handler(
+                    servicer.Peer,
+                    request_deserializer=ft__pb2.LighthousePeerState.FromString,
+                    response_serializer=ft__pb2.LighthousePeerState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +192,33 @@ class LighthouseService:
             '/ftl.LighthouseService/HeartbeatStream',
             ft__pb2.LighthouseHeartbeatRequest.SerializeToString,
             ft__pb2.LighthouseHeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Peer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftl.LighthouseService/Peer',
+            ft__pb2.LighthousePeerState.SerializeToString,
+            ft__pb2.LighthousePeerState.FromString,
             options,
             channel_credentials,
             insecure,
