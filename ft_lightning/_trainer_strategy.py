@@ -15,7 +15,9 @@ that crosses groups goes through the Manager:
   callback state are sent to a group that is behind, which continues at the same epoch and batch;
 - callbacks and metrics: `reduce` (`self.log(sync_dist=True)`) and `reduce_boolean_decision`
   (ModelCheckpoint, EarlyStopping) run over the live groups, and with `rank_zero="quorum"` one
-  process of the live quorum is rank zero (ft_lightning/_callbacks.py).
+  process of the live quorum is rank zero (ft_lightning/_callbacks.py);
+- a group that starts after the job finished (its first quorum refused with JobFinishedError) loads
+  the job's final checkpoint and ends fit there, or stops with that error (ft_lightning/_late_resume.py).
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ import torch
 from ft_core import settings as ft_settings
 from ft_core.data import DistributedSampler as ExactlyOnceSampler
 from ft_core.ddp import register_comm_hook
-from ft_core.errors import ConfigError
-from ft_lightning import _callbacks, _data, _dirs, _progress
+from ft_core.errors import ConfigError, JobFinishedError
+from ft_lightning import _callbacks, _data, _dirs, _late_resume, _progress
 from ft_lightning._common import (
     capture_rng,
     create_manager,
@@ -93,6 +95,8 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
         self._commit: bool | None = None
         self._window_continues_batch = False  # this step is a batch's second (or later) optimizer step
         self._last_step_applied = True
+        self._first_window = False  # the next step start is a fit's first (set when the Manager starts)
+        self._job_end_loops: dict[str, Any] | None = None  # loop counters of the job's final checkpoint, loaded
         self._warned_callbacks: set[str] = set()
         self._validating = False  # from a fit's validation start to the next training batch
         self._in_training_step = False
@@ -129,6 +133,7 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
             device=self.root_device, store_addr=env.main_address if several else None,  # type: ignore[attr-defined]
             store_port=env.main_port if several else None, extra=self._manager_kwargs, pg=pg)
         self._manager_live = True
+        self._first_window = True
         self._live = _callbacks.LiveQuorum(
             self._manager, pg, group_rank=self.global_rank,  # type: ignore[attr-defined]
             replica_group_id=self._ft_settings.replica_group_id,
@@ -216,7 +221,40 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
             return
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
         if batch_idx % trainer.accumulate_grad_batches == 0 or not self._window_open:
-            self._open_window(trainer)
+            first, self._first_window = self._first_window, False
+            try:
+                self._open_window(trainer)
+                if first:
+                    self._first_quorum()
+            except JobFinishedError as exc:  # the first quorum: a late group (_late_resume.py)
+                self._end_after_job_finished(trainer, exc)
+
+    # ---- a group that starts after the job finished (_late_resume.py) ------------------------
+
+    def _first_quorum(self) -> None:
+        """The first quorum of a fit is awaited before its forward pass: a group refused because the job
+        finished (JobFinishedError) learns it before training anything. Any other quorum error is the
+        step's, raised where it always is (`should_commit`)."""
+        try:
+            self._manager.wait_quorum()
+        except JobFinishedError:
+            raise
+        except Exception as exc:  # noqa: BLE001 (kept by the quorum future: should_commit raises it)
+            logger.debug("ft_lightning: first quorum failed, left to the step: %s", exc)
+
+    def _end_after_job_finished(self, trainer: Any, exc: JobFinishedError) -> None:
+        """Load the job's final checkpoint and end fit here (or raise the JobFinishedError, with its fix).
+        Ends the epoch loop as Lightning's own `on_train_batch_start() == -1` does, before this batch
+        trains; `should_stop` then ends fit."""
+        _late_resume.resume_finished_job(self, trainer, exc, self._ft_settings.group_dir_name())
+        self._job_end_loops = _progress.snapshot(trainer)
+        self._window_open = False
+        self._live = None  # no live groups to reduce with or to be rank zero among: this group alone
+        if self._quorum_rank_zero:
+            _callbacks.set_rank_zero(self.global_rank == 0, self.global_rank)  # type: ignore[attr-defined]
+        trainer.should_stop = True
+        trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True
+        raise StopIteration
 
     def _open_window(self, trainer: Any) -> None:
         # Taken on this (main) thread: the healing state may be read on the Manager's thread while
@@ -425,6 +463,9 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
 
     def on_train_end(self) -> None:
         super().on_train_end()  # type: ignore[misc]
+        if self._job_end_loops is not None:  # fit ended at the job's final checkpoint (_end_after_job_finished)
+            _late_resume.settle_loops(self.lightning_module.trainer, self._job_end_loops)  # type: ignore[attr-defined]
+            self._job_end_loops = None
         if self._manager is not None and self._manager_live:  # fit ended normally: a late group is refused
             self._manager.finish()
 

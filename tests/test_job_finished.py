@@ -9,6 +9,7 @@ import sys
 from datetime import timedelta
 
 import pytest
+import torch
 from conftest import REPO_ROOT, child_env, run_calls
 
 from ft_core.control.job_end import (
@@ -122,26 +123,111 @@ def test_a_group_waiting_alone_for_min_replicas_logs_the_lighthouses_reason_then
            "only have 1 participants, need min_replicas 2." in error, out[-3000:]
 
 
-@pytest.mark.timeout(110)
-def test_a_lightning_group_started_after_the_fit_of_the_other_ended_is_refused(processes, tmp_path):
-    # The Lightning strategy tells the lighthouse at the end of fit (on_train_end); no ftl launch.
-    worker = os.path.join(REPO_ROOT, "tests", "_lightning_parity_worker.py")
-    with LighthouseServer(min_replicas=1, join_timeout_ms=500) as lighthouse:
+LIGHTNING_WORKER = os.path.join(REPO_ROOT, "tests", "_lightning_job_end_worker.py")
+
+
+def _lightning_job(processes, tmp_path, *args: str) -> tuple[subprocess.Popen, dict, dict]:
+    """Groups 0 and 1 fit together to the end (Trainer, ModelCheckpoint(save_last=True) unless told otherwise),
+    then group 2 starts: the late group's process (ended), its output, and the finished groups' results."""
+    with LighthouseServer(min_replicas=2, join_timeout_ms=500) as lighthouse:
         def fit(group: int) -> subprocess.Popen:
-            env = child_env(FT_LIGHTHOUSE=lighthouse.address(), REPLICA_GROUP_ID=str(group), NUM_REPLICA_GROUPS="2",
+            env = child_env(FT_LIGHTHOUSE=lighthouse.address(), REPLICA_GROUP_ID=str(group), NUM_REPLICA_GROUPS="3",
                             FT_RESTART_COUNT="0")
-            return processes.spawn([sys.executable, worker, "--out", str(tmp_path), "--events",
-                                    str(tmp_path / f"g{group}.jsonl"), "--epochs", "1"], env=env,
+            return processes.spawn([sys.executable, LIGHTNING_WORKER, "--out", str(tmp_path / "run"), "--result",
+                                    str(tmp_path / f"result{group}.pt"), *args], env=env,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        first = fit(0)
-        out = first.communicate(timeout=80)[0]
-        assert first.returncode == 0, out[-3000:]
-        [done] = lighthouse.core.status()["finished"]
-        late = fit(1)
-        out = late.communicate(timeout=80)[0]
+        finished = [fit(0), fit(1)]
+        for proc in finished:
+            out = proc.communicate(timeout=80)[0]
+            assert proc.returncode == 0 and "done global_step=8 manager_step=8 trained=8" in out, out[-3000:]
+        assert sorted(f["step"] for f in lighthouse.core.status()["finished"]) == [8, 8]
+        late = fit(2)
+        out = late.communicate(timeout=60)[0]
+    results = [torch.load(tmp_path / f"result{g}.pt", weights_only=True) for g in (0, 1)]
+    return late, out, results
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.timeout(110)
+@pytest.mark.parametrize("layout", [
+    pytest.param([], id="rank_zero=group, default per-group folders: another group's last.ckpt"),
+    pytest.param(["--rank-zero", "quorum", "--ckpt-dir", "{tmp}/shared"], id="rank_zero=quorum, shared dirpath"),
+])
+def test_a_lightning_group_started_after_the_job_finished_resumes_from_its_last_checkpoint(processes, tmp_path, layout):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in layout]
+    late, out, (r0, r1) = _lightning_job(processes, tmp_path, *args)
+    assert late.returncode == 0, out[-3000:]
+    assert _same(r0["model"], r1["model"]), "the finished groups differ"
+    lines = [line for line in out.splitlines() if "instead of retraining alone" in line]
+    assert len(lines) == 1 and "the job finished at step 8" in lines[0], out[-3000:]
+    loaded = lines[0].split("loading its checkpoint ", 1)[1].split(" (step 8)", 1)[0]
+    assert os.path.basename(loaded) == "last.ckpt" and "replica_group_2" not in loaded, lines[0]
+    final = torch.load(loaded, weights_only=True)  # the finished groups' final checkpoint
+    mine = torch.load(tmp_path / "result2.pt", weights_only=True)
+    assert _same(mine["model"], final["state_dict"]) and _same(mine["model"], r0["model"])  # bitwise
+    momentum = [s["momentum_buffer"] for s in mine["optimizer"]["state"].values()]
+    assert all(torch.equal(m, s["momentum_buffer"]) for m, s in zip(momentum, final["optimizer_states"][0]["state"].values()))
+    assert (mine["manager_step"], mine["global_step"], mine["epoch"], mine["trained"]) == \
+        (8, r0["global_step"], r0["epoch"], 0)  # trained nothing alone; counters as the finished groups'
+    assert "done global_step=8 manager_step=8 trained=0" in out and "The dirpath has changed" not in out
+
+
+@pytest.mark.timeout(110)
+def test_a_lightning_group_started_after_the_job_finished_without_a_checkpoint_exits_naming_the_fix(processes, tmp_path):
+    late, out, _ = _lightning_job(processes, tmp_path, "--no-checkpointing")
     assert late.returncode != 0, out[-3000:]
-    assert f"JobFinishedError: replica group replica_group_1: the job finished at step {done['step']} (group " \
-           f"replica_group_0) while this group was at step 0" in out, out[-3000:]
+    assert "JobFinishedError: replica group replica_group_2: the job finished at step 8 (groups replica_group_0, " \
+           "replica_group_1) while this group was at step 0" in out, out[-3000:]
+    assert "No Lightning checkpoint saved at step 8 or later was found in " in out and \
+           "keep a ModelCheckpoint (save_last=True)" in out, out[-3000:]
+    assert "done global_step" not in out
+
+
+def _ckpt(path, step: int) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save({"ft_manager": {"step": step, "batches_committed": step}, "global_step": step,
+                "state_dict": {"w": torch.full((2,), float(step))}}, path)
+
+
+@pytest.mark.parametrize("files, dirs, final, chosen", [
+    # rank_zero="group", no dirpath: each group's logger folder (another version of the logger there)
+    ({"replica_group_0/lightning_logs/version_1/checkpoints/last.ckpt": 8},
+     ["replica_group_2/lightning_logs/version_0/checkpoints"], 8,
+     "replica_group_0/lightning_logs/version_1/checkpoints/last.ckpt"),
+    # ModelCheckpoint(dirpath=ck), per group: ck/replica_group_<id>
+    ({"ck/replica_group_1/last.ckpt": 8, "ck/replica_group_1/epoch=0-step=4.ckpt": 4}, ["ck/replica_group_2"], 8,
+     "ck/replica_group_1/last.ckpt"),
+    # rank_zero="quorum" with a dirpath: one shared folder
+    ({"ck/epoch=1-step=8.ckpt": 8}, ["ck"], 8, "ck/epoch=1-step=8.ckpt"),
+    # rank_zero="quorum" without one: the rank-zero group's own folder, found from another group
+    ({"replica_group_0/checkpoints/last.ckpt": 8}, ["replica_group_2/checkpoints"], 8,
+     "replica_group_0/checkpoints/last.ckpt"),
+    # this group's own stale checkpoint (a killed run) is behind the end: another group's is used
+    ({"replica_group_2/checkpoints/last.ckpt": 3, "replica_group_0/checkpoints/last.ckpt": 8},
+     ["replica_group_2/checkpoints"], 8, "replica_group_0/checkpoints/last.ckpt"),
+    # the highest saved step wins (as in the Accelerate plugin), whatever the file's name
+    ({"replica_group_0/checkpoints/last.ckpt": 8, "replica_group_1/checkpoints/epoch=2-step=10.ckpt": 10},
+     ["replica_group_2/checkpoints"], 8, "replica_group_1/checkpoints/epoch=2-step=10.ckpt"),
+    # nothing at the end or past it, or nothing at all
+    ({"replica_group_0/checkpoints/last.ckpt": 6}, ["replica_group_2/checkpoints"], 8, None),
+    ({}, ["replica_group_2/checkpoints"], 8, None),
+])
+def test_the_lightning_checkpoint_a_late_group_resumes_from(tmp_path, files, dirs, final, chosen):
+    from ft_lightning._late_resume import final_checkpoint
+
+    for name, step in files.items():
+        _ckpt(tmp_path / name, step)
+    (tmp_path / "replica_group_0").mkdir(exist_ok=True)
+    (tmp_path / "replica_group_0" / "checkpoints").mkdir(exist_ok=True)
+    (tmp_path / "replica_group_0" / "checkpoints" / "damaged.ckpt").write_bytes(b"not a checkpoint")  # skipped
+    found = final_checkpoint([str(tmp_path / d) for d in dirs], "replica_group_2", final)
+    if chosen is None:
+        assert found is None
+    else:
+        assert found is not None and (found.path, found.step) == (str(tmp_path / chosen), files[chosen])
 
 
 def test_the_integrations_console_shows_the_quorum_wait_line():

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ft_core.errors import ConfigError
+from ft_lightning._final_checkpoint import newest_at_or_past, read_saved
 from ft_lightning.accelerate.state import DelegatingLoader
 
 logger = logging.getLogger(__name__)
@@ -180,22 +181,16 @@ def read_state(directory: str, rank: int) -> dict[str, Any] | None:
     return None
 
 
+def _saved_step(path: str) -> int:
+    with open(path, encoding="utf-8") as f:
+        return int(json.load(f)["manager"]["step"])
+
+
 def final_checkpoint(root: str, step: int) -> tuple[str, int] | None:
-    """(folder, step) of the newest `save_state` folder in `root` (or up to two levels below it) whose
-    fault-tolerance state is at `step` or later; None when there is none."""
-    found: list[tuple[int, float, str]] = []
-    for pattern in ("", "*", os.path.join("*", "*")):
-        for path in glob.glob(os.path.join(root, pattern, STATE_FILE.format(rank=0))):
-            try:
-                with open(path, encoding="utf-8") as f:
-                    saved = int(json.load(f)["manager"]["step"])
-                mtime = os.path.getmtime(path)
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                logger.warning("skipping %s: %s", path, exc)
-                continue
-            if saved >= step:
-                found.append((saved, mtime, os.path.dirname(path)))
-    if not found:
-        return None
-    saved, _, folder = max(found)
-    return folder, saved
+    """(folder, step) of the `save_state` folder in `root` (or up to two levels below it) that a late group
+    resumes from: the highest fault-tolerance step at `step` or later (ft_lightning._final_checkpoint's
+    rule, shared with the Lightning strategy); None when there is none."""
+    paths = [path for pattern in ("", "*", os.path.join("*", "*"))
+             for path in sorted(glob.glob(os.path.join(glob.escape(root), pattern, STATE_FILE.format(rank=0))))]
+    found = newest_at_or_past(read_saved(paths, _saved_step), step)
+    return None if found is None else (os.path.dirname(found.path), found.step)
