@@ -41,9 +41,11 @@ class Model(pl.LightningModule):
 
 
 class Events(pl.Callback):
-    def __init__(self, path: str, kill_at: int | None, sleep: float) -> None:
+    def __init__(self, path: str, kill_at: int | None, sleep: float, gate: str | None = None,
+                 gate_epoch: int = 0) -> None:
         self.file = open(path, "a", buffering=1)  # noqa: SIM115 (open until exit)
         self.kill_at, self.sleep = kill_at, sleep
+        self.gate, self.gate_epoch = gate, gate_epoch
 
     def write(self, **row: object) -> None:
         self.file.write(json.dumps(row) + "\n")
@@ -59,6 +61,10 @@ class Events(pl.Callback):
         if self.kill_at is not None and trainer.global_step >= self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(self.sleep)
+        if self.gate and trainer.current_epoch >= self.gate_epoch:  # held here while the test's gate file exists
+            deadline = time.monotonic() + 120
+            while os.path.exists(self.gate) and time.monotonic() < deadline:
+                time.sleep(0.05)
 
 
 def main() -> int:
@@ -68,6 +74,8 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--kill-at-step", type=int, default=None)
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--gate", default=None, help="from epoch --gate-epoch on, each batch waits while this file exists")
+    p.add_argument("--gate-epoch", type=int, default=0)
     args = p.parse_args()
     pl.seed_everything(0, verbose=False)
     strategy = FaultTolerantDDPStrategy(timeout=5.0, quorum_timeout=60.0)
@@ -76,7 +84,8 @@ def main() -> int:
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=args.epochs,
                          default_root_dir=args.out, logger=CSVLogger(args.out), enable_progress_bar=False,
                          enable_model_summary=False, log_every_n_steps=1,
-                         callbacks=[checkpoint, Events(args.events, args.kill_at_step, args.sleep)])
+                         callbacks=[checkpoint, Events(args.events, args.kill_at_step, args.sleep, args.gate,
+                                                                      args.gate_epoch)])
     trainer.fit(Model(), ckpt_path="last")
     return 0
 

@@ -282,7 +282,8 @@ def _drive(gs: list[LedgerGroup], rng: random.Random, kills: int, timeout: float
 @pytest.mark.timeout(180)  # about a minute when idle; restarts with spawned loader workers are slow when busy
 @pytest.mark.parametrize("variant, kills, extra, nproc", [
     ("one process per group", 10, ["--step-sleep", "0.1"], 1),
-    ("num_workers=2", 10, ["--step-sleep", "0.1", "--workers", "2"], 1),
+    ("num_workers=2", 3, ["--step-sleep", "0.1", "--workers", "2"], 1),
+    pytest.param("num_workers=2, 10 kills", 10, ["--step-sleep", "0.1", "--workers", "2"], 1, marks=pytest.mark.slow),
     # 6 processes on a 2-core machine, and torchrun restarts are slow: fewer kills fit in the time
     ("2 ranks per group", 4, ["--step-sleep", "0.25"], 2),
 ])

@@ -95,7 +95,7 @@ def kill_and_check(worker: Worker, point: str, workers: list[Worker]) -> None:
 
 
 @pytest.mark.timeout(110)
-@pytest.mark.parametrize("fragments", [2, 1], ids=["streaming", "plain"])
+@pytest.mark.parametrize("fragments", [2, pytest.param(1, marks=pytest.mark.slow)], ids=["streaming", "plain"])
 def test_diloco_survives_sigkills_and_heals_identical(processes, tmp_path, fragments):
     with LighthouseServer(min_replicas=2, join_timeout_ms=1000) as lighthouse:
         workers = [Worker(processes, str(tmp_path), g, lighthouse.address()) for g in range(3)]

@@ -272,7 +272,9 @@ def test_sigint_at_any_moment_leaves_no_process_behind(moment, sleeper, processe
     stderr = errors.read()
     errors.close()
     assert appeared >= want, f"only {appeared} descendants appeared before the SIGINT"
-    assert still_running(seen) == set()
+    left = still_running(seen)
+    assert left == set(), (f"{len(left)} of {len(seen)} processes left behind (launcher exit {launch.returncode}): "
+                           f"{stderr[-3000:]}")
     if launch.returncode == 1 and "Fatal Python error: init_import_site" in stderr:
         # The SIGINT landed while the interpreter was still importing `site` (a wide window on a busy
         # machine): CPython itself exits 1 then, before any ftl code runs, so nothing was started.

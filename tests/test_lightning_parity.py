@@ -61,17 +61,25 @@ def test_restart_resumes_from_last_in_its_group_folder_and_continues_the_run(pro
 
 @pytest.mark.timeout(180)
 def test_a_group_healing_into_a_later_epoch_gets_its_epoch_start_hooks(processes, tmp_path):
-    # 30 slow epochs: the late group must join (and heal) before the early one finishes, also when its start-up
-    # takes tens of seconds on a busy machine; a group that comes after the job finished is refused (issue 18)
+    # The early group is held in its first batch of epoch 2 by a gate file until the late group waits for a
+    # quorum with it (the lighthouse waits for the early one, which holds a later step: quorum rule 9), so the
+    # late group heals into epoch >= 2 however long its start-up takes on a busy machine.
+    gate = tmp_path / "gate"
+    gate.write_text("")
     with LighthouseServer(min_replicas=1, join_timeout_ms=500) as lighthouse:
-        early, early_events = start(processes, tmp_path, lighthouse.address(), 0, 2, "early", "--epochs", "30",
-                                    "--sleep", "0.3")
+        early, early_events = start(processes, tmp_path, lighthouse.address(), 0, 2, "early", "--epochs", "6",
+                                    "--sleep", "0.05", "--gate", str(gate), "--gate-epoch", "2")
         deadline = time.monotonic() + 60
         while not any(r["kind"] == "epoch_start" and r["epoch"] >= 2 for r in read_jsonl(early_events)):
             assert time.monotonic() < deadline and early.poll() is None, output(tmp_path, "early")[-3000:]
             time.sleep(0.1)
-        late, late_events = start(processes, tmp_path, lighthouse.address(), 1, 2, "late", "--epochs", "30")
-        assert late.wait(timeout=150) == 0, output(tmp_path, "late")[-3000:]
+        late, late_events = start(processes, tmp_path, lighthouse.address(), 1, 2, "late", "--epochs", "6")
+        deadline = time.monotonic() + 90
+        while not any(m["waiting"] and not m["in_quorum"] for m in lighthouse.core.status()["members"]):  # the late one
+            assert time.monotonic() < deadline and late.poll() is None, output(tmp_path, "late")[-3000:]
+            time.sleep(0.1)
+        gate.unlink()
+        assert late.wait(timeout=120) == 0, output(tmp_path, "late")[-3000:]
         assert early.wait(timeout=60) == 0, output(tmp_path, "early")[-3000:]
     seen = read_jsonl(late_events)
     started = set()

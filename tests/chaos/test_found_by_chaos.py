@@ -70,10 +70,11 @@ def test_no_group_commits_alone_while_the_only_other_one_fails_to_heal(processes
                                   *common], env=env, stdout=logs[0], stderr=logs[0])
         healer = processes.spawn([sys.executable, WORKER, "--group", "1", "--init", "9.0", "--steps", "6",
                                   "--fail-loads", "1000000", *common], env=env, stdout=logs[1], stderr=logs[1])
-        try:
-            source.wait(timeout=40)  # today it finishes: it commits steps 4..6 alone
-        except subprocess.TimeoutExpired:  # refusing to commit alone is the promise: it then waits for a quorum
-            pass
+        try:  # before the fix the source committed steps 4..6 alone from its first attempts and finished; the
+            # promise is that it refuses, attempt after attempt (hundreds per second): 20 of them are plenty
+            deadline = time.monotonic() + 40
+            while source.poll() is None and time.monotonic() < deadline and _attempts(out, group=0) < 20:
+                time.sleep(0.1)
         finally:
             source.kill()
             healer.kill()
@@ -84,6 +85,13 @@ def test_no_group_commits_alone_while_the_only_other_one_fails_to_heal(processes
     assert committed[1] == [], f"the healer never loaded the state, yet committed: {committed}"
     alone = [s for s in committed[0] if s not in committed[1]]
     assert alone == [], f"group 0 committed steps {alone} alone with min_replica_size=2 (group 1 failed every heal)"
+
+
+def _attempts(out, group: int) -> int:
+    """Steps `group` attempted so far (its rows in the worker's jsonl)."""
+    if not out.exists():
+        return 0
+    return sum(1 for line in out.read_text().splitlines() if f'"group": {group},' in line)
 
 
 @pytest.mark.timeout(60)
