@@ -273,6 +273,39 @@ def test_accelerate_groups_on_two_hosts_end_identical(simulated_hosts, tmp_path)
     assert_identical_files(out, "*.pt", 2)
 
 
+@pytest.mark.timeout(115)
+def test_an_accelerate_group_with_num_machines_2_spans_two_hosts_and_ends_identical(simulated_hosts, tmp_path):
+    """Group 0: `ftl accelerate launch --num_machines 2` (one process on h1, one on h2, machine 0 holding the
+    rendezvous and the group's manager server); group 1: 2 processes on h3. Every rank of both groups ends
+    with the same state at the same step."""
+    hosts = simulated_hosts(4)
+    _, lighthouse = start_lighthouse(hosts, hosts[0], tmp_path / "lighthouse.log")
+    out = tmp_path / "out"
+    out.mkdir()
+    port = hosts.free_port(hosts[1])
+    launches = [(hosts[1], 0, ["--num_machines", "2", "--machine_rank", "0", "--main_process_ip", hosts[1].address,
+                               "--main_process_port", str(port)]),
+                (hosts[2], 0, ["--num_machines", "2", "--machine_rank", "1", "--main_process_ip", hosts[1].address,
+                               "--main_process_port", str(port)]),
+                (hosts[3], 1, [])]
+    procs = []
+    for i, (host, group, machine) in enumerate(launches):
+        env = only_readme_env(FT_LIGHTHOUSE=lighthouse, REPLICA_GROUP_ID=str(group), NUM_REPLICA_GROUPS="2",
+                              HF_HOME=str(tmp_path / f"hf{i}"), **INTRA_GROUP_GLOO)
+        with open(tmp_path / f"launch{i}.log", "ab") as log:
+            procs.append(hosts.python(host, "-m", "ft_core", "accelerate", "launch", "--cpu", "--num_processes", "2",
+                                      *machine, ACCELERATE_EXAMPLE, "--steps", "4", "--out-dir", str(out), env=env,
+                                      stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp_path)))
+    for i, proc in enumerate(procs):
+        code = proc.wait(timeout=100)
+        assert code == 0, f"launch {i} exited {code}:\n{(tmp_path / f'launch{i}.log').read_text()[-3000:]}"
+    states = sorted(out.glob("*.pt"))
+    assert [p.stem for p in states] == ["group0_rank0", "group0_rank1", "group1_rank0", "group1_rank1"], states
+    for p in states:
+        assert json.loads(p.with_suffix(".json").read_text())["step"] == 4
+    assert_identical_files(out, "*.pt", 4)
+
+
 # ---- a group spanning two hosts ------------------------------------------------------------------
 
 @pytest.mark.timeout(115)
