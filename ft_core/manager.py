@@ -161,8 +161,8 @@ class Manager:
                                      f"{cfg.connect_timeout.total_seconds():.3g}s ({exc}); is rank 0 running?") from None
             self._replica_id = store.get("replica_id").decode()
             self._client = ManagerClient(store.get("manager_addr").decode(), cfg.connect_timeout, token=cfg.token)
-        if self._server is not None:  # the lighthouse's PeerLost notices fail this quorum's step at once
-            self._server.add_failure_listener(functools.partial(redo.on_peer_lost, self))  # ft_core.redo
+        # the lighthouse's PeerLost notices fail this quorum's step at once; rank 0's server forwards them to the others
+        (self._server or self._client).add_failure_listener(functools.partial(redo.on_peer_lost, self))  # ft_core.redo
 
     # ----------------------------------------------------------------- state registry
 
@@ -468,7 +468,7 @@ class Manager:
         heal_loaded = not (plan is not None and plan.heal) or (self._heal is not None and self._heal.loaded)
         local = rules.local_vote(plan.vote_world_size if plan is not None else 0, self.config.min_replica_size,
                                  self._errored is not None, heal_loaded)
-        unreduced = rules.unreduced_step(plan.vote_world_size if plan else 0, self._reductions) if local else None
+        unreduced = rules.unreduced_step(plan.vote_world_size if plan else 0, self._reductions)  # also if errored
         if unreduced is not None:
             self.report_error(unreduced)
         return local and unreduced is None, unreduced, heal_loaded

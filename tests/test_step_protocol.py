@@ -128,9 +128,14 @@ def test_batchnorm_buffers_are_identical_on_every_group_after_each_committed_ste
 
 
 @pytest.mark.timeout(120)
-def test_a_model_whose_gradients_never_cross_groups_is_refused_not_trained_apart(processes, tmp_path):
+@pytest.mark.parametrize("fault", [[], ["--error-first-step"]], ids=["clean-step", "step-also-failed-locally"])
+def test_a_model_whose_gradients_never_cross_groups_is_refused_not_trained_apart(processes, tmp_path, fault):
+    # step-also-failed-locally: group 1's first step also fails for another reason (as when group 0's exit after
+    # its refusal reaches group 1 as a lost peer before its vote); it was then not refused, went on to step 1
+    # and waited there for a quorum until its timeout
     rows = run_job(processes, tmp_path, [["--model", "unwrapped", "--steps", "3", "--no-init-sync"],
-                                         ["--model", "unwrapped", "--steps", "3", "--no-init-sync"]], min_replicas=2)
+                                         ["--model", "unwrapped", "--steps", "3", "--no-init-sync", *fault]],
+                   min_replicas=2)
     for who, row in finals(rows).items():
         assert row["step"] == 0, f"{who} committed steps without any cross-group reduction"
         assert "no cross-group reduction" in row["error"] and "DistributedDataParallel" in row["error"]
