@@ -344,8 +344,7 @@ def test_bounded_network_chaos_run_keeps_every_promise(tmp_path):
     reason = network_unavailable()
     if reason is not None:
         pytest.skip(reason)
-    # in this order: a host cut after a lighthouse failover can leave the cut group on the other lighthouse,
-    # alone (tests/chaos/test_found_by_chaos.py, gap 4); longer `ftl chaos --network` runs draw every order
+    # a fixed order, so a failure reruns the same schedule; longer `ftl chaos --network` runs draw every order
     cfg = dataclasses.replace(bounded_config(str(tmp_path), ci_seed()), network=True, kinds=NETWORK_KINDS,
                               faults=len(NETWORK_KINDS), ordered=True)
     run = ChaosRun(cfg)
@@ -357,12 +356,7 @@ def test_bounded_network_chaos_run_keeps_every_promise(tmp_path):
     outcomes = {o["kind"]: o for o in summary["network_faults"]}
     assert all(o.get("cut_commits", 0) == 0 and o.get("pair_commits", 0) == 0 for o in outcomes.values()), report
     others = [p for p in summary["problems"] if not p.startswith(UNDER_REPLICATED)]
-    if others and all(p.startswith(STRANDED_ON_A_LIGHTHOUSE) for p in others) and \
-            any(p.startswith(STRANDED_ON_A_LIGHTHOUSE[:2]) for p in others):
-        # gap 4 (docs/chaos.md): the cut group came back on the other lighthouse and waits there alone;
-        # nothing diverged (asserted above). Every other problem still fails the test.
-        pytest.xfail(f"known: after its host cut a group waits alone on the other lighthouse; {report[:1500]}")
-    assert not others, report
+    assert not others, report  # gap 4 (a group stranded on the other lighthouse) is fixed: no longer tolerated
     assert summary["faults_by_kind"] == {kind: 1 for kind in NETWORK_KINDS}, report
     assert outcomes["host_cut"]["rejoined"], report
     assert outcomes["host_cut"]["healed"], report  # the others went on while it was cut: it was behind
@@ -370,10 +364,6 @@ def test_bounded_network_chaos_run_keeps_every_promise(tmp_path):
     assert outcomes["lighthouse_cut"]["commits_after_failover"] > 0, report
     assert_trained_to_the_end(summary, report)
 
-
-# The problems a group stranded on the other lighthouse causes (gap 4), and their consequences for the run.
-STRANDED_ON_A_LIGHTHOUSE = ("network: a group cut off", "wedged: group", "training did not complete",
-                            "group 0 ended stopped", "group 1 ended stopped", "group 2 ended stopped")
 
 
 def test_simulated_hosts_leave_nothing_behind_also_when_making_them_fails():
