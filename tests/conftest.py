@@ -31,6 +31,9 @@ except ImportError:  # pragma: no cover - torch is a hard dependency
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# The slow tier (tests marked `slow`, see pytest_collection_modifyitems) is being run: its drivers may wait longer.
+SLOW = os.environ.get("FT_RUN_SLOW") == "1"
+
 # What a deadline test allows beyond the deadline itself: a busy 2-core CI machine can delay the raise by
 # seconds. Each such test's alternative (the long timeout it must not wait for, or a hang) is far longer.
 BUSY_SLACK_S = 6.0
@@ -143,7 +146,7 @@ def _restore_the_events_logger() -> Iterator[None]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked `slow` (the acceptance-size variants: more kills, longer runs) run only with
     FT_RUN_SLOW=1; each has a smaller sibling in the default tier that checks the same promise."""
-    if os.environ.get("FT_RUN_SLOW") == "1":
+    if SLOW:
         return
     skip = pytest.mark.skip(reason="acceptance-size run: set FT_RUN_SLOW=1")
     for item in items:
