@@ -28,5 +28,9 @@ def test_stubs_expose_the_services_of_the_design() -> None:
     stream = lighthouse.methods_by_name["HeartbeatStream"]
     assert stream.client_streaming and stream.server_streaming
     manager = ft_pb2.DESCRIPTOR.services_by_name["ManagerService"]
-    assert {m.name for m in manager.methods} == {"Quorum", "CheckpointMetadata", "ShouldCommit", "Kill"}
+    # PeerLostNotices: group rank 0's server forwards the lighthouse's PeerLost to its other ranks (control/notices.py)
+    assert {m.name for m in manager.methods} == {"Quorum", "CheckpointMetadata", "ShouldCommit", "Kill",
+                                                 "PeerLostNotices"}
+    notices = manager.methods_by_name["PeerLostNotices"]
+    assert notices.server_streaming and not notices.client_streaming
     assert hasattr(ft_pb2_grpc, "LighthouseServiceStub") and hasattr(ft_pb2_grpc, "ManagerServiceStub")

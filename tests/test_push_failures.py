@@ -13,6 +13,7 @@ hosts (tests/netns.py) and is skipped where they cannot be made.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import threading
@@ -20,7 +21,7 @@ import time
 from datetime import timedelta
 
 import pytest
-from conftest import child_env
+from conftest import assert_bounded, child_env, run_calls
 from ft_harness import (
     Group,
     check_step_digests,
@@ -32,7 +33,10 @@ from ft_harness import (
 
 from ft_core.control.lighthouse import LighthouseServer
 from ft_core.control.lighthouse_client import LighthouseClient
+from ft_core.control.manager_client import ManagerClient
 from ft_core.control.manager_server import ManagerServer
+from ft_core.control.notices import NoticeSubscription
+from ft_core.control.proto import ft_pb2_grpc
 from ft_core.control.types import QuorumMember
 
 CHILD = r"""
@@ -41,11 +45,11 @@ from datetime import timedelta
 from ft_core.control.lighthouse_client import LighthouseClient
 from ft_core.control.types import QuorumMember
 
-lighthouse, replica_id = sys.argv[1], sys.argv[2]
+lighthouse, replica_id, world_size = sys.argv[1], sys.argv[2], int(sys.argv[3])
 client = LighthouseClient(lighthouse)
 stream = client.start_heartbeat_stream(replica_id, interval=timedelta(milliseconds=50))
 assert stream.wait_connected(20), stream.last_error
-quorum = client.quorum(QuorumMember(replica_id, address="127.0.0.1:1"), timedelta(seconds=60))
+quorum = client.quorum(QuorumMember(replica_id, address="127.0.0.1:1", world_size=world_size), timedelta(seconds=60))
 print("JOINED", quorum.quorum_id, flush=True)
 for line in sys.stdin:
     if line.strip() == "leave":
@@ -73,8 +77,8 @@ class Notices:
             return list(self.got)
 
 
-def spawn_member(processes, lighthouse: LighthouseServer, replica_id: str) -> subprocess.Popen:
-    return processes.python("-c", CHILD, lighthouse.address(), replica_id, stdin=subprocess.PIPE,
+def spawn_member(processes, lighthouse: LighthouseServer, replica_id: str, world_size: int = 1) -> subprocess.Popen:
+    return processes.python("-c", CHILD, lighthouse.address(), replica_id, str(world_size), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
 
 
@@ -149,6 +153,78 @@ def test_manager_server_calls_its_failure_listeners(processes) -> None:
         assert child.stdout.readline().split()[:2] == ["JOINED", str(result.quorum_id)]
         child.kill()
         assert notices.wait_for("b", 30) == [(result.quorum_id, "b")]
+
+
+@pytest.mark.timeout(60)
+def test_the_other_ranks_of_a_group_get_the_notices_of_its_manager_server_also_when_they_subscribe_late(
+        processes) -> None:
+    """Group rank 0's server holds the group's heartbeat stream; a rank > 0 subscribes through its
+    ManagerClient and gets the same (quorum_id, replica_id), and a rank subscribing after the notice gets
+    it from the server's backlog."""
+    with LighthouseServer(min_replicas=2, join_timeout_ms=60_000, heartbeat_timeout_ms=30_000,
+                          http_bind=None) as lh, ManagerServer("a", lh.address(), world_size=2) as server, \
+            ManagerClient(server.address()) as rank1:
+        notices = Notices()
+        rank1.add_failure_listener(notices)
+        assert server.wait_heartbeat_connected(10) and rank1.wait_failure_subscription(10)
+        child = spawn_member(processes, lh, "b", world_size=2)
+        (r0, _), (r1, _) = run_calls([
+            lambda: server.quorum_local(0, 0, "", False, timeout=timedelta(seconds=30)),
+            lambda: rank1.quorum(1, 0, "", False, timeout=timedelta(seconds=30))], join_s=40)
+        assert getattr(r0, "quorum_id", None) == getattr(r1, "quorum_id", 0) > 0, (r0, r1)
+        assert child.stdout.readline().split()[:2] == ["JOINED", str(r0.quorum_id)]
+        child.kill()
+        assert notices.wait_for("b", 30) == [(r0.quorum_id, "b")]
+
+        late = Notices()
+        with ManagerClient(server.address()) as rank2:
+            rank2.add_failure_listener(late)
+            assert late.wait_for("b", 10) == [(r0.quorum_id, "b")], "a late subscriber missed the kept notice"
+            assert server._notices.subscribers == 2
+        assert notices.got == [(r0.quorum_id, "b")], "a notice was delivered twice"
+        wait_until(lambda: server._notices.subscribers == 1, 10, "the closed client's subscription to end on the server")
+
+
+@pytest.mark.timeout(60)
+def test_a_renewed_subscription_misses_no_notice_and_repeats_none() -> None:
+    """Subscriptions end at their deadline and are renewed with the last number seen: notices published
+    across many renewals arrive once each, in order."""
+    with LighthouseServer(min_replicas=1, http_bind=None) as lh, \
+            ManagerServer("a", lh.address(), world_size=2) as server, ManagerClient(server.address()) as client:
+        notices = Notices()
+        sub = NoticeSubscription(ft_pb2_grpc.ManagerServiceStub(client._channel), server.address(), None,
+                                 renew_s=0.3)
+        try:
+            sub.add_listener(notices)
+            assert sub.wait_subscribed(10)
+            for i in range(40):
+                server._notices.publish(i, f"r{i}")
+                time.sleep(0.03)
+            got = notices.wait_for("r39", 20)
+        finally:
+            sub.close()
+        assert got == [(i, f"r{i}") for i in range(40)]
+
+
+@pytest.mark.timeout(60)
+def test_a_subscription_with_the_wrong_token_is_refused_and_one_outliving_its_server_ends_at_close() -> None:
+    with LighthouseServer(min_replicas=1, http_bind=None, token="s3cret") as lh:
+        server = ManagerServer("a", lh.address(), world_size=2, token="s3cret")
+        try:
+            with ManagerClient(server.address(), token="wrong") as wrong:
+                wrong.add_failure_listener(Notices())
+                assert not wrong.wait_failure_subscription(3), "a subscription without the token was accepted"
+            good = ManagerClient(server.address(), token="s3cret")
+            good.add_failure_listener(Notices())
+            assert good.wait_failure_subscription(10)
+            assert server._notices.subscribers == 1
+        finally:
+            started = time.monotonic()
+            server.shutdown()  # ends the subscription at once: it does not hold the server's stop
+        assert_bounded(started, 3, "the manager server's shutdown with a rank subscribed")
+        started = time.monotonic()
+        good.close()  # while it retries with backoff toward the stopped server
+        assert_bounded(started, 3, "closing a subscription whose server is gone")
 
 
 # ---- real training processes -----------------------------------------------------------------------
@@ -333,3 +409,115 @@ def test_an_asymmetric_partition_settles_on_a_mutually_reachable_set_and_the_cut
     stop_all(groups)
     check_step_digests(groups)
     assert len({d["digest"] for g in groups for d in g.digests()}) == 1
+
+
+# A replica group of two ranks (one torchrun per host) on the core API; every rank reduces across groups on its
+# own process group. When the file pause.g<group> names this step, both ranks stop inside it, after its quorum
+# (their peers then wait in the allreduce) and say so: the test cuts their host there.
+RANKS_WORKER = r"""
+import json, os, sys, time
+from datetime import timedelta
+import torch
+from ft_core.manager import Manager
+from ft_core.process_groups import ProcessGroupGloo
+
+group, control = sys.argv[1], sys.argv[2]
+rank = int(os.environ["RANK"])
+torch.set_num_threads(1)
+w = torch.ones(8)
+collective = timedelta(seconds=30)  # long: only the push (and its fan-out to rank 1) ends a blocked step sooner
+manager = Manager(ProcessGroupGloo(timeout=collective), load_state_dict=lambda s: w.copy_(s["w"]),
+                  state_dict=lambda: {"w": w}, min_replica_size=1, replica_id=f"g{group}", timeout=collective,
+                  quorum_timeout=timedelta(seconds=60), connect_timeout=timedelta(seconds=30))
+
+
+def control_step(name):
+    try:
+        with open(os.path.join(control, name)) as f:
+            return int(f.read())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+log = open(os.path.join(control, f"g{group}.r{rank}.jsonl"), "a", buffering=1)
+while control_step("stop") is None or manager.current_step() < control_step("stop"):
+    manager.start_quorum()
+    if control_step(f"pause.g{group}") == manager.current_step() and manager.num_participants() == 2:
+        open(os.path.join(control, f"paused.g{group}.r{rank}"), "w").close()
+        time.sleep(30)
+    grad = w.clone()
+    manager.allreduce(grad).wait()
+    if manager.should_commit():
+        w.sub_(0.01 * grad)
+        log.write(json.dumps({"step": manager.current_step(), "time": time.time(), "w": w.tolist(),
+                              "participants": manager.num_participants()}) + "\n")
+    time.sleep(0.02)
+manager.shutdown()
+"""
+
+
+def rank_commits(control, group: int, rank: int) -> list[dict]:
+    return read_jsonl(str(control / f"g{group}.r{rank}.jsonl"))
+
+
+@pytest.mark.timeout(115)
+def test_every_rank_of_the_survivors_fails_fast_when_a_host_is_cut_not_only_group_rank_0(simulated_hosts, tmp_path):
+    """Two groups of two ranks (torchrun --nproc-per-node=2 per host), collective timeout 30 s, heartbeat
+    timeout 2 s; group 1's host is cut while group 0's ranks wait in their allreduce on it. Only group 0's
+    rank 0 holds the heartbeat stream; its rank 1 fails fast through the fan-out (ft_core.control.notices).
+    Without it rank 1 waits out its allreduce (30 s) and the group's commit barrier waits with it."""
+    hosts = simulated_hosts(3)
+    port = hosts.free_port(hosts[0])
+    lighthouse = f"{hosts[0].address}:{port}"
+    with open(tmp_path / "lighthouse.log", "ab") as out:
+        hosts.python(hosts[0], "-m", "ft_core", "lighthouse", "--bind", lighthouse, "--http-bind", "off",
+                     "--min-replicas", "1", "--join-timeout-ms", "2000", "--heartbeat-timeout-ms", "2000",
+                     stdout=out, stderr=subprocess.STDOUT)
+    worker = tmp_path / "worker.py"
+    worker.write_text(RANKS_WORKER)
+    procs = []
+    for g in (0, 1):
+        with open(tmp_path / f"g{g}.out", "ab") as out:
+            procs.append(hosts.python(hosts[1 + g], "-m", "torch.distributed.run", "--standalone",
+                                      "--nproc-per-node=2", "--max-restarts=0", str(worker), str(g), str(tmp_path),
+                                      env=child_env(FT_LIGHTHOUSE=lighthouse), stdout=out, stderr=subprocess.STDOUT))
+
+    def output(g: int) -> str:
+        return (tmp_path / f"g{g}.out").read_text()[-3000:]
+
+    def running() -> None:
+        for g, proc in enumerate(procs):
+            assert proc.poll() is None, f"group {g} exited with {proc.returncode}:\n{output(g)}"
+
+    def committed(g: int, r: int, participants: int = 1) -> int:
+        return sum(c["participants"] >= participants for c in rank_commits(tmp_path, g, r))
+
+    wait_until(lambda: running() or all(committed(g, r, 2) >= 3 for g in (0, 1) for r in (0, 1)), 90,
+               "both groups committing together on both ranks")
+    pause_at = max(c["step"] for r in (0, 1) for c in rank_commits(tmp_path, 1, r)) + 10
+    (tmp_path / "pause.g1.tmp").write_text(str(pause_at))
+    os.replace(tmp_path / "pause.g1.tmp", tmp_path / "pause.g1")
+    wait_until(lambda: running() or all((tmp_path / f"paused.g1.r{r}").exists() for r in (0, 1)), 60,
+               f"both ranks of group 1 to stop inside step {pause_at} after its quorum")
+    time.sleep(0.5)  # group 0's ranks are in their allreduce on group 1's now
+    hosts.cut(hosts[2])
+    cut_at = time.time()
+    before = [committed(0, r) for r in (0, 1)]
+    wait_until(lambda: running() or all(committed(0, r) >= before[r] + 5 for r in (0, 1)), 60,
+               "both ranks of group 0 to commit 5 steps while group 1's host is cut")
+    gaps = [commit_gaps([c for c in rank_commits(tmp_path, 0, r) if c["time"] >= cut_at - 5]) for r in (0, 1)]
+    print(f"survivor's longest commit gap around the host cut, rank 0 / rank 1: {gaps[0]:.2f} s / {gaps[1]:.2f} s "
+          f"(heartbeat_timeout 2 s, collective timeout 30 s)")
+    assert max(gaps) < 2 + 10, f"the survivor waited {max(gaps):.1f} s: a rank's collective was not aborted by the push"
+
+    hosts.kill_all(hosts[2], reap=[procs[1]])  # the cut machine dies; the survivor trains on alone
+    stop_at = max(c["step"] for r in (0, 1) for c in rank_commits(tmp_path, 0, r)) + 3
+    (tmp_path / "stop.tmp").write_text(str(stop_at))
+    os.replace(tmp_path / "stop.tmp", tmp_path / "stop")
+    assert procs[0].wait(timeout=60) == 0, output(0)
+    by_step: dict[int, list[float]] = {}
+    for g, r in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        for c in rank_commits(tmp_path, g, r):
+            assert by_step.setdefault(c["step"], c["w"]) == c["w"], f"group {g} rank {r} differs at step {c['step']}"
+    finals = [rank_commits(tmp_path, 0, r)[-1] for r in (0, 1)]
+    assert finals[0]["step"] == finals[1]["step"] == stop_at and finals[0]["w"] == finals[1]["w"], finals

@@ -2,18 +2,22 @@
 
 Every call carries a deadline and the shared token; a deadline or cancel surfaces as
 FTTimeoutError (a TimeoutError), anything else as a typed RPCError naming peer, call and fix.
+A rank > 0 also subscribes here to the lighthouse's PeerLost notices, which only its group's server
+(on rank 0) receives (`add_failure_listener`, ft_core.control.notices).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from ft_core.control import rpc
 from ft_core import settings
-from ft_core.errors import ConfigError
+from ft_core.control import rpc
+from ft_core.control.notices import NoticeSubscription
 from ft_core.control.proto import ft_pb2, ft_pb2_grpc
 from ft_core.control.recovery import QuorumResult
+from ft_core.errors import ConfigError
 
 __all__ = ["ManagerClient", "result_from_pb", "result_to_pb"]
 
@@ -55,9 +59,22 @@ class ManagerClient:
         self._token = settings.value("FT_TOKEN", token) or None
         self._channel = rpc.connect(self._addr, connect_timeout, call_name=f"connect to manager server {self._addr}")
         self._stub = ft_pb2_grpc.ManagerServiceStub(self._channel)
+        self._notices: NoticeSubscription | None = None
 
     def address(self) -> str:
         return self._addr
+
+    def add_failure_listener(self, listener: Callable[[int, str], None]) -> None:
+        """Call `listener(quorum_id, lost_replica_id)` for each PeerLost notice the lighthouse pushes to this
+        group (its manager server forwards them, ft_core.control.notices): as ManagerServer's, for ranks > 0.
+        The first call subscribes; called on the subscription's thread, so keep it short and non-blocking."""
+        if self._notices is None:
+            self._notices = NoticeSubscription(self._stub, self._addr, self._token)
+        self._notices.add_listener(listener)
+
+    def wait_failure_subscription(self, timeout: timedelta | float) -> bool:
+        """True once the server has registered this client's subscription (False without a listener)."""
+        return self._notices is not None and self._notices.wait_subscribed(rpc.seconds(timeout))
 
     def _call(self, method: Any, request: Any, name: str, timeout: timedelta | float) -> Any:
         return rpc.call(method, request, peer=f"manager server {self._addr}", name=name, timeout=timeout,
@@ -95,9 +112,11 @@ class ManagerClient:
         self._call(self._stub.Kill, ft_pb2.KillRequest(msg=msg), "Kill", timeout)
 
     def close(self) -> None:
+        if self._notices is not None:
+            self._notices.close()
         self._channel.close()
 
-    def __enter__(self) -> "ManagerClient":
+    def __enter__(self) -> ManagerClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

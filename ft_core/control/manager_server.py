@@ -35,6 +35,7 @@ from ft_core.control.lighthouse_client import LighthouseClient, StreamUnavailabl
 from ft_core.control.manager_rounds import CommitRound, QuorumRound, RankRequest
 from ft_core.control.manager_client import ManagerClient
 from ft_core.control.manager_server_config import ManagerServerConfig, resolve_config
+from ft_core.control.notices import NoticeHub
 from ft_core.control.quorum_wait import QuorumWaitNotes
 from ft_core.errors import ConfigError, FTError, FTTimeoutError, JobFinishedError, QuorumError, RPCError
 from ft_core.control.recovery import QuorumResult, compute_recovery_plan
@@ -103,6 +104,7 @@ class ManagerServer:
         # grpc.aio on the loop of the group's heartbeat stream: a round completed by a remote call needs no
         # thread hop (ft_core.control.manager_service)
         self._loop = stream_loop()  # held until shutdown
+        self._notices = NoticeHub(self._loop)  # PeerLost notices forwarded to the other ranks (ft_core.control.notices)
         try:
             try:
                 self._server, port = asyncio.run_coroutine_threadsafe(
@@ -174,6 +176,7 @@ class ManagerServer:
         if lighthouse is not None:
             lighthouse.close()
         self._wait_notes.close()
+        self._notices.close()  # the other ranks' subscriptions end now, not at the server's grace
         if self._heartbeat is not None:
             self._heartbeat.stop()
         if self._heartbeat_client is not None:
@@ -200,6 +203,7 @@ class ManagerServer:
                                                   token=cfg.token)
         self._heartbeat = self._heartbeat_client.start_heartbeat_stream(cfg.replica_id, cfg.heartbeat_interval)
         self._heartbeat.add_peer_lost_listener(self._note_lost)
+        self._heartbeat.add_peer_lost_listener(self._notices.publish)
 
     def notify_finished(self, step: int) -> None:
         """This group ended its training at `step`: tell every lighthouse address, so a late group is refused."""

@@ -5,19 +5,21 @@ loop that carries the group's stream to the lighthouse. A ManagerClient's Quorum
 the round (every call of a one-rank group) is therefore handled without a thread hop: the call
 arrives on the loop, its quorum request is written on the stream from the loop, and the answer read
 there completes the call. Anything that may block (a rank waiting for the others, the commit vote,
-a probe of peers after a failed step, the unary fallback) runs on the server's handler threads.
+a probe of peers after a failed step, the unary fallback) runs on the server's handler threads. The
+PeerLostNotices stream (the group's other ranks subscribed to the notices the heartbeat stream gets,
+ft_core.control.notices) lives on the loop too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 
-from ft_core.control import rpc
+from ft_core.control import notices, rpc
 from ft_core.control.manager_client import result_to_pb
 from ft_core.control.manager_rounds import QuorumRound
 from ft_core.control.proto import ft_pb2, ft_pb2_grpc
@@ -139,3 +141,16 @@ class _ManagerServicer(ft_pb2_grpc.ManagerServiceServicer):
         await self._timeout(context, "Kill")
         await self._guard(context, self._threaded(self._server._kill, request.msg))
         return ft_pb2.KillResponse()
+
+    async def PeerLostNotices(self, request: ft_pb2.PeerLostNoticesRequest,
+                              context: grpc.aio.ServicerContext) -> AsyncIterator[ft_pb2.PeerLostNotice]:
+        """The group's PeerLost notices for another rank of the group, until the call's deadline
+        (ft_core.control.notices); the headers go out once the subscription is registered."""
+        await self._timeout(context, "PeerLostNotices")
+        subscriber = self._server._notices.subscribe(request.after_seq)
+        try:
+            await context.send_initial_metadata(())
+            async for notice in subscriber:
+                yield notices.to_pb(notice)
+        finally:
+            subscriber.close()

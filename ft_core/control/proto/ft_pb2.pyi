@@ -211,3 +211,17 @@ class KillRequest(_message.Message):
 class KillResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class PeerLostNoticesRequest(_message.Message):
+    __slots__ = ("after_seq",)
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    after_seq: int
+    def __init__(self, after_seq: _Optional[int] = ...) -> None: ...
+
+class PeerLostNotice(_message.Message):
+    __slots__ = ("seq", "peer_lost")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    PEER_LOST_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    peer_lost: PeerLost
+    def __init__(self, seq: _Optional[int] = ..., peer_lost: _Optional[_Union[PeerLost, _Mapping]] = ...) -> None: ...

@@ -259,6 +259,11 @@ class ManagerServiceStub:
                 request_serializer=ft__pb2.KillRequest.SerializeToString,
                 response_deserializer=ft__pb2.KillResponse.FromString,
                 _registered_method=True)
+        self.PeerLostNotices = channel.unary_stream(
+                '/ftl.ManagerService/PeerLostNotices',
+                request_serializer=ft__pb2.PeerLostNoticesRequest.SerializeToString,
+                response_deserializer=ft__pb2.PeerLostNotice.FromString,
+                _registered_method=True)
 
 
 class ManagerServiceServicer:
@@ -288,6 +293,13 @@ class ManagerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PeerLostNotices(self, request, context):
+        """Server streaming until the call's deadline: the PeerLost notices the group's heartbeat stream receives.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ManagerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -310,6 +322,11 @@ def add_ManagerServiceServicer_to_server(servicer, server):
                     servicer.Kill,
                     request_deserializer=ft__pb2.KillRequest.FromString,
                     response_serializer=ft__pb2.KillResponse.SerializeToString,
+            ),
+            'PeerLostNotices': grpc.unary_stream_rpc_method_handler(
+                    servicer.PeerLostNotices,
+                    request_deserializer=ft__pb2.PeerLostNoticesRequest.FromString,
+                    response_serializer=ft__pb2.PeerLostNotice.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -420,6 +437,33 @@ class ManagerService:
             '/ftl.ManagerService/Kill',
             ft__pb2.KillRequest.SerializeToString,
             ft__pb2.KillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PeerLostNotices(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ftl.ManagerService/PeerLostNotices',
+            ft__pb2.PeerLostNoticesRequest.SerializeToString,
+            ft__pb2.PeerLostNotice.FromString,
             options,
             channel_credentials,
             insecure,
