@@ -280,21 +280,22 @@ def _drive(gs: list[LedgerGroup], rng: random.Random, kills: int, timeout: float
 
 
 @pytest.mark.timeout(900 if SLOW else 180)  # about a minute when idle; restarts with loader workers are slow when busy
-@pytest.mark.parametrize("variant, kills, extra, nproc", [
-    ("one process per group", 10, ["--step-sleep", "0.1"], 1),
-    ("num_workers=2", 3, ["--step-sleep", "0.1", "--workers", "2"], 1),
-    # 6 processes on a 2-core machine, and torchrun restarts are slow: fewer kills fit in the default tier's time
-    ("2 ranks per group", 4, ["--step-sleep", "0.25"], 2),
+@pytest.mark.parametrize("variant, kills, epochs, extra, nproc", [
+    ("one process per group", 10, 8, ["--step-sleep", "0.1"], 1),
+    # the same promise with fewer kills and epochs in the default tier (each costs a minute or more on 2 cores)
+    ("num_workers=2", 3, 4, ["--step-sleep", "0.1", "--workers", "2"], 1),
+    ("2 ranks per group", 3, 4, ["--step-sleep", "0.25"], 2),
     # the acceptance counts (issue 16: at least 10 kills in each configuration), FT_RUN_SLOW=1
-    pytest.param("num_workers=2, 10 kills", 10, ["--step-sleep", "0.1", "--workers", "2"], 1, marks=pytest.mark.slow),
-    pytest.param("2 ranks per group, 10 kills", 10, ["--step-sleep", "0.25"], 2, marks=pytest.mark.slow),
+    pytest.param("num_workers=2, 10 kills", 10, 8, ["--step-sleep", "0.1", "--workers", "2"], 1,
+                 marks=pytest.mark.slow),
+    pytest.param("2 ranks per group, 10 kills", 10, 8, ["--step-sleep", "0.25"], 2, marks=pytest.mark.slow),
 ])
-def test_core_api_ledger_three_groups_with_kills(processes, tmp_path, variant, kills, extra, nproc):
-    size = 240  # the kills happen in epochs 0-5; epochs 6 and 7 let every restart heal
-    run_with_kills(processes, tmp_path, kills=kills, nproc=nproc, kill_before_epoch=6, timeout=800 if SLOW else 160,
-                   args=["--epochs", "8", "--size", str(size), *extra])
+def test_core_api_ledger_three_groups_with_kills(processes, tmp_path, variant, kills, epochs, extra, nproc):
+    size = 240  # the kills happen before the last two epochs, which let every restart heal
+    run_with_kills(processes, tmp_path, kills=kills, nproc=nproc, kill_before_epoch=epochs - 2,
+                   timeout=800 if SLOW else 160, args=["--epochs", str(epochs), "--size", str(size), *extra])
     verdict = check_ledger(tmp_path, size, columns=nproc)
-    assert sorted(verdict) == list(range(8)), verdict
+    assert sorted(verdict) == list(range(epochs)), verdict
     assert all(v["lost"] == 0 and v["duplicated"] == 0 for v in verdict.values()), verdict
 
 
@@ -316,8 +317,8 @@ def test_global_batch_size_trains_exactly_g_samples_per_step_through_1_2_3_parti
     """global_batch_size=12: every committed step whose participants all held their batch consumes 12
     samples (an epoch's last step what is left), whatever the number of participants."""
     size, g = 240, 12
-    run_with_kills(processes, tmp_path, kills=3, kill_before_epoch=4,
-                   args=["--epochs", "6", "--size", str(size), "--step-sleep", "0.3", "--global-batch-size", str(g)])
+    run_with_kills(processes, tmp_path, kills=3, kill_before_epoch=3,
+                   args=["--epochs", "5", "--size", str(size), "--step-sleep", "0.1", "--global-batch-size", str(g)])
     check_ledger(tmp_path, size)
     files = read_ledgers(tmp_path)
     epoch_of = {r["step"]: r["epoch"] for rows in files for r in rows if r["kind"] == "attempt" and r["rank"] is not None}
