@@ -242,7 +242,12 @@ def decide(state: LighthouseState, now: float, config: QuorumConfig) -> Decision
                     f"need more than half of {len(healthy)} healthy replicas (split-brain guard).")
     stragglers = len(healthy) - len(joined)
     if stragglers > 0:
-        first_join = min(j.joined_at for j in joined.values())
+        # The join timeout runs from the first join of a member that could train with the stragglers: one that
+        # reported a straggler unreachable would be cut the moment it arrives (rule 7), so its join (often long
+        # ago: it waits while excluded) must not let a quorum form without the straggler at once.
+        straggling = healthy - joined.keys()
+        clocks = [j.joined_at for j in joined.values() if not straggling.intersection(j.member.unreachable)]
+        first_join = min(clocks) if clocks else now
         left = config.join_timeout_s - (now - first_join)
         if left > 0:
             return wait(f"Valid quorum with {len(candidates)} participants, waiting for {stragglers} healthy but "
