@@ -10,6 +10,8 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import pytest
@@ -238,16 +240,68 @@ def _ftl(*args: str) -> list[str]:
     return [sys.executable, "-m", "ft_core.tools.cli", *args]
 
 
+@contextmanager
+def _sigint_as_in_a_terminal() -> Iterator[None]:
+    """Children started inside get SIGINT at its default, as a terminal's foreground command does.
+
+    A test run in the background of a script (`pytest ... &`, `nohup`) ignores SIGINT, and an ignored signal
+    stays ignored across exec: a Ctrl-C reaching `ftl launch` before it installs its handler is then dropped by
+    the kernel, and the launcher runs on. A handler (unlike SIG_IGN) is reset to the default by exec.
+    """
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """This process ignores SIGINT meanwhile, as pytest does when a script starts it with `&`."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _sigint_ignored_in(pid: int) -> bool:
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
+    return bool(mask & (1 << (signal.SIGINT - 1)))
+
+
+def _end_left_behind(launch: subprocess.Popen, seen: set[tuple[int, str]]) -> None:
+    """SIGKILL a launcher that did not stop, then whatever it left (by pid and start time, so never a reused pid)."""
+    seen |= descendants(launch.pid)
+    launch.kill()
+    launch.wait(10)
+    for pid, _ in still_running(seen | descendants(launch.pid)):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("moment", ["at once", "as the first rank starts", "all groups up", "mid-run with restarts"])
-def test_sigint_at_any_moment_leaves_no_process_behind(moment, sleeper, processes, tmp_path):
+@pytest.mark.parametrize("moment, parent", [
+    ("at once", "default"),
+    ("at once", "ignoring SIGINT"),  # pytest started with `&` by a script: its children inherit SIG_IGN
+    ("as the first rank starts", "default"),
+    ("all groups up", "default"),
+    ("mid-run with restarts", "default"),
+])
+def test_sigint_at_any_moment_leaves_no_process_behind(moment, parent, sleeper, processes, tmp_path):
     kill_every = ["--kill-every", "0.4", "--restart-delay", "0"] if moment == "mid-run with restarts" else []
     errors = open(tmp_path / "stderr.txt", "w+")  # noqa: SIM115 - closed below
-    launch = processes.spawn(_ftl("launch", "--groups", "2", "--nproc-per-group", "2", "--stop-grace", "2",
-                                  *kill_every, "--", sleeper, "60"),
-                             stdout=subprocess.DEVNULL, stderr=errors)
+    with _sigint_ignored() if parent == "ignoring SIGINT" else nullcontext(), _sigint_as_in_a_terminal():
+        launch = processes.spawn(_ftl("launch", "--groups", "2", "--nproc-per-group", "2", "--stop-grace", "2",
+                                      *kill_every, "--", sleeper, "60"),
+                                 stdout=subprocess.DEVNULL, stderr=errors)
     seen: set[tuple[int, str]] = set()
     # 2 groups x 2 ranks, each rank with a grandchild: 8 descendants once everything is up
     want = {"at once": 0, "as the first rank starts": 1, "all groups up": 8, "mid-run with restarts": 8}[moment]
@@ -271,16 +325,49 @@ def test_sigint_at_any_moment_leaves_no_process_behind(moment, sleeper, processe
     errors.seek(0)
     stderr = errors.read()
     errors.close()
+    code, left = launch.poll(), still_running(seen)
+    if left or code is None:  # failed: end it all here, the ranks live in sessions of their own
+        _end_left_behind(launch, set(seen))
     assert appeared >= want, f"only {appeared} descendants appeared before the SIGINT"
-    left = still_running(seen)
-    assert left == set(), (f"{len(left)} of {len(seen)} processes left behind (launcher exit {launch.returncode}): "
-                           f"{stderr[-3000:]}")
-    if launch.returncode == 1 and "Fatal Python error: init_import_site" in stderr:
-        # The SIGINT landed while the interpreter was still importing `site` (a wide window on a busy
-        # machine): CPython itself exits 1 then, before any ftl code runs, so nothing was started.
+    assert left == set(), f"{len(left)} of {len(seen)} processes left behind (launcher exit {code}): {stderr[-3000:]}"
+    if code == 1 and "Fatal Python error: init_" in stderr:
+        # The SIGINT landed while the interpreter was still starting (init_sys_streams, init_import_site: a wide
+        # window on a busy machine): CPython itself exits 1 then, before any ftl code runs, so nothing was started.
         assert moment == "at once" and "KeyboardInterrupt" in stderr, stderr[-2000:]
         return
-    assert launch.returncode in (130, -signal.SIGINT), f"exit code {launch.returncode}: {stderr[-2000:]}"
+    assert code in (130, -signal.SIGINT), f"exit code {code} 20 s after the SIGINT: {stderr[-2000:]}"
+
+
+# Runs `ftl` as `python -m ft_core.tools.cli` does, with a Ctrl-C landing while `argv[1]` is being imported.
+SIGINT_DURING_IMPORT = textwrap.dedent("""
+    import os, signal, sys
+
+    class SigintOnImport:
+        def find_spec(self, name, path=None, target=None):
+            if name == sys.argv[1]:
+                sys.meta_path.remove(self)
+                os.kill(os.getpid(), signal.SIGINT)
+            return None
+
+    sys.meta_path.insert(0, SigintOnImport())
+    from ft_core.tools.cli import main
+    sys.exit(main(sys.argv[2:]))
+""")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("module", ["ft_core.tools.launch_command", "grpc", "rich.console"])
+def test_a_sigint_while_launch_imports_its_modules_starts_nothing_and_exits_130(module, sleeper, processes,
+                                                                                tmp_path):
+    script = tmp_path / "sigint_during_import.py"
+    script.write_text(SIGINT_DURING_IMPORT)
+    with _sigint_as_in_a_terminal():
+        launch = processes.spawn([sys.executable, str(script), module, "launch", "--groups", "2", "--", sleeper, "60"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert not _sigint_ignored_in(launch.pid)
+    out = communicate_or_interrupt(launch, 45)
+    assert launch.returncode == 130, f"exit {launch.returncode}: {out[-3000:]}"
+    assert "KeyboardInterrupt" not in out and "lighthouse" not in out, out[-3000:]  # no traceback, nothing started
 
 
 @pytest.mark.timeout(30)

@@ -9,6 +9,7 @@ import importlib
 import sys
 
 from ft_core.errors import ConfigError
+from ft_core.tools.launcher import StopSignals
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "lighthouse": ("ft_core.control.lighthouse", "run the quorum server (one per job)"),
@@ -18,6 +19,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "accelerate": ("ft_lightning.accelerate.cli", "`ftl accelerate config|launch` for Hugging Face Accelerate"),
     "chaos": ("ft_core.tools.chaos", "seeded random fault schedules against a real training job"),
 }
+
+# Commands whose Ctrl-C handler is installed before their module is imported and handed to `main(argv, stop=...)`:
+# a Ctrl-C during those imports is then a stop request (exit 130, nothing started) instead of a KeyboardInterrupt
+# raised wherever the import happens to be (a traceback, or lost for good inside a finaliser).
+STOP_BEFORE_IMPORT = frozenset({"launch"})
 
 
 def usage() -> str:
@@ -36,12 +42,21 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"ftl: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
+    stop = StopSignals() if name in STOP_BEFORE_IMPORT else None
+    try:
+        return _run(name, rest, stop)
+    finally:
+        if stop is not None:
+            stop.restore()
+
+
+def _run(name: str, rest: list[str], stop: StopSignals | None) -> int:
     try:
         module = importlib.import_module(SUBCOMMANDS[name][0])
     except ModuleNotFoundError as exc:
         return _missing_dependency(name, exc)
     try:
-        return int(module.main(rest) or 0)
+        return int((module.main(rest) if stop is None else module.main(rest, stop=stop)) or 0)
     except ModuleNotFoundError as exc:  # imported lazily by the subcommand (`ftl accelerate launch`)
         return _missing_dependency(name, exc)
     except ConfigError as exc:  # a bad setting: one or two lines naming the cause and the fix, no traceback

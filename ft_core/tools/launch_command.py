@@ -343,16 +343,23 @@ def status_url(lighthouse: Any) -> str:
     return addr if addr.startswith("http") else f"http://{addr}/"
 
 
-def main(argv: list[str]) -> int:
-    """`ftl launch`: exit 0 only when every group finished; 1 when one was lost; 128+N on signal N."""
+def main(argv: list[str], stop: StopSignals | None = None) -> int:
+    """`ftl launch`: exit 0 only when every group finished; 1 when one was lost; 128+N on signal N.
+
+    `stop`: the stop handlers `ftl` installed before importing this module (so a Ctrl-C during the imports is not
+    lost); this function installs its own when called without them. Restored on return either way.
+    """
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    stop = StopSignals()  # first, so Ctrl-C from here on always ends what we start
+    if stop is None:  # before anything starts, so Ctrl-C from here on always ends what we start
+        stop = StopSignals()
     console = Console(highlight=False)
     lighthouse = None
     try:
+        if stop.event.is_set():  # Ctrl-C while Python was still importing us: start nothing
+            return stop.exit_code
         args = parse_args(argv)
         token = args.token or os.environ.get("FT_TOKEN") or None
         command = [sys.executable, *args.command]
@@ -399,6 +406,8 @@ def main(argv: list[str]) -> int:
         with launcher:
             if args.log_dir:
                 console.print(f"group output: {os.path.abspath(args.log_dir)}/group<N>.log")
+            if stop.event.is_set():  # Ctrl-C since the lighthouse started: start no group
+                return stop.exit_code
             launcher.start()
             finished = launcher.run_until_done(stop.event, injector=injector, on_tick=lambda: watch.tick(launcher))
             if not finished:
