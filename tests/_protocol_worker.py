@@ -18,7 +18,7 @@ import torch
 from torch.distributed import ReduceOp
 
 from ft_core.ddp import DistributedDataParallel
-from ft_core.errors import ConfigError
+from ft_core.errors import ConfigError, FTError
 from ft_core.manager import Manager
 from ft_core.process_groups import ProcessGroupGloo
 
@@ -38,8 +38,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip-first-vote", action="store_true", help="skip should_commit() in the first step")
     p.add_argument("--extreme", default="", choices=("", "max", "min"), help="also reduce [-5 - 2*group]")
     p.add_argument("--vote-then-reduce", action="store_true", help="allreduce after should_commit (must raise)")
-    p.add_argument("--error-first-step", action="store_true",
-                   help="report an error before the first vote (as a peer lost at that moment would)")
     p.add_argument("--model", default="vector", choices=("vector", "batchnorm", "unwrapped"),
                    help="batchnorm: a BatchNorm model under ft_core DDP, each group on other data; "
                         "unwrapped: the same model without the DDP wrapper (nothing reduces its gradients)")
@@ -68,16 +66,14 @@ def train_module(args: argparse.Namespace, rank: int) -> int:
             opt.zero_grad()
             x = torch.randn(8, 4, generator=gen) * (1 + args.group)
             net(x).pow(2).mean().backward()
-            if args.error_first_step and manager.current_step() == 0:
-                manager.report_error(RuntimeError("injected: this step failed locally"))
             if manager.should_commit():
                 opt.step()
             buffers = {k: v.tolist() for k, v in model.state_dict().items() if "running" in k or "num_batches" in k}
             out.write(json.dumps({"group": args.group, "rank": rank, "step": manager.current_step(),
                                   "buffers": buffers}) + "\n")
             out.flush()
-    except ConfigError as exc:
-        error = str(exc)
+    except FTError as exc:  # the refusal (ConfigError), or a quorum that cannot form once the peer left
+        error = f"{type(exc).__name__}: {exc}"
     finally:
         params = [p.detach().reshape(-1).tolist() for p in model.parameters()]
         out.write(json.dumps({"group": args.group, "rank": rank, "final": True, "step": manager.current_step(),
