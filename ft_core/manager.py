@@ -468,7 +468,6 @@ class Manager:
         heal_loaded = not (plan is not None and plan.heal) or (self._heal is not None and self._heal.loaded)
         local = rules.local_vote(plan.vote_world_size if plan is not None else 0, self.config.min_replica_size,
                                  self._errored is not None, heal_loaded)
-        # only a clean step can tell: after an early error a loop may skip its collectives (test_manager_liveness)
         unreduced = rules.unreduced_step(plan.vote_world_size if plan else 0, self._reductions) if local else None
         if unreduced is not None:
             self.report_error(unreduced)
