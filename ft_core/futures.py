@@ -291,32 +291,48 @@ def future_timeout(fut: AnyFuture, timeout: timedelta | float, what: str = "oper
     """A torch Future with `fut`'s outcome, or FTTimeoutError if `timeout` passes first.
     devices: the CUDA devices of the value (default: `fut`'s, see future_devices)."""
     out = device_future(future_devices(fut) if devices is None else devices)
-    lock = threading.Lock()
-    done = [False]
-    seconds = _seconds(timeout)
 
-    def finish(ok: bool, value: Any) -> None:
-        with lock:
-            if done[0]:
-                return
-            done[0] = True
+    def land(ok: bool, value: Any) -> None:
         if ok:
             _finish(out, value)
         else:
             _fail(out, value)
 
+    _first_of(fut, _seconds(timeout), what, land)
+    return out
+
+
+def _first_of(fut: AnyFuture, seconds: float, what: str, land: Callable[[bool, Any], None],
+              fn: Callable[[Any], Any] | None = None) -> None:
+    """Call `land(ok, value)` once: with `fut`'s outcome (`fn(value)` when it succeeded and `fn` is given;
+    `fn` runs even after the deadline, as chain's would) or with FTTimeoutError once `seconds` passed."""
+    lock = threading.Lock()
+    done = [False]
+
+    def once(ok: bool, value: Any) -> None:
+        with lock:
+            if done[0]:
+                return
+            done[0] = True
+        land(ok, value)
+
     def expire() -> None:
-        finish(False, FTTimeoutError(f"{what} did not complete within {seconds:.3g}s (timeout); "
-                                     f"a peer may be dead or hung"))
+        once(False, FTTimeoutError(f"{what} did not complete within {seconds:.3g}s (timeout); "
+                                   f"a peer may be dead or hung"))
 
     handle = _TIMER.schedule(seconds, expire)
 
     def on_done(f: AnyFuture) -> None:
         _TIMER.cancel(handle)
-        finish(*_outcome(f))
+        ok, value = _outcome(f)
+        if ok and fn is not None:
+            try:
+                value = fn(value)
+            except BaseException as exc:  # noqa: BLE001 - carried to land
+                ok, value = False, exc
+        once(ok, value)
 
     _add_done(fut, on_done)
-    return out
 
 
 def future_wait(fut: AnyFuture, timeout: timedelta | float, what: str = "operation") -> Any:
@@ -403,15 +419,8 @@ def settled(fut: AnyFuture, default: T, on_error: Callable[[BaseException], None
     within `timeout`, else `default` after on_error(exception). `fn` runs when `fut` completes, even
     after the deadline passed, as chain's would. Devices: `fut`'s and `default`'s."""
     out = device_future(_union(future_devices(fut), devices_of(default)))
-    lock = threading.Lock()
-    done = [False]
-    seconds = _seconds(timeout)
 
-    def finish(ok: bool, value: Any) -> None:
-        with lock:
-            if done[0]:
-                return
-            done[0] = True
+    def land(ok: bool, value: Any) -> None:
         devs = getattr(out, _DEVICES_ATTR, ())
         extra = [d for d in devices_of(value) if d not in devs] if ok and devs else []
         if extra:
@@ -426,23 +435,7 @@ def settled(fut: AnyFuture, default: T, on_error: Callable[[BaseException], None
         finally:
             _finish(out, default)
 
-    def expire() -> None:
-        finish(False, FTTimeoutError(f"{what} did not complete within {seconds:.3g}s (timeout); "
-                                     f"a peer may be dead or hung"))
-
-    handle = _TIMER.schedule(seconds, expire)
-
-    def on_done(f: AnyFuture) -> None:
-        _TIMER.cancel(handle)
-        ok, value = _outcome(f)
-        if ok and fn is not None:
-            try:
-                value = fn(value)
-            except BaseException as exc:  # noqa: BLE001 - carried to on_error
-                ok, value = False, exc
-        finish(ok, value)
-
-    _add_done(fut, on_done)
+    _first_of(fut, _seconds(timeout), what, land, fn)
     return out
 
 

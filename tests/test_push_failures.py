@@ -336,15 +336,21 @@ class OnHost:
         return self.hosts.spawn(self.host, args, env=clean, **kwargs)
 
 
-def groups_on_hosts(hosts, tmp_path, n: int, timeout: str) -> list[Group]:
-    """A lighthouse on host 0 and `n` groups of train_ddp.py on hosts 1..n (collective timeout `timeout` s),
-    started and each committing 5 steps."""
+def lighthouse_on_host_0(hosts, tmp_path) -> str:
+    """`ftl lighthouse` on host 0 (min_replicas 1, join and heartbeat timeouts 2 s); its address."""
     port = hosts.free_port(hosts[0])
     lighthouse = f"{hosts[0].address}:{port}"
     with open(tmp_path / "lighthouse.log", "ab") as out:
         hosts.python(hosts[0], "-m", "ft_core", "lighthouse", "--bind", lighthouse, "--http-bind", "off",
                      "--min-replicas", "1", "--join-timeout-ms", "2000", "--heartbeat-timeout-ms", "2000",
                      stdout=out, stderr=subprocess.STDOUT)
+    return lighthouse
+
+
+def groups_on_hosts(hosts, tmp_path, n: int, timeout: str) -> list[Group]:
+    """A lighthouse on host 0 and `n` groups of train_ddp.py on hosts 1..n (collective timeout `timeout` s),
+    started and each committing 5 steps."""
+    lighthouse = lighthouse_on_host_0(hosts, tmp_path)
     args = ["--steps", "1000000", "--timeout", timeout, "--quorum-timeout", "60", "--step-sleep", "0.05",
             "--dataset-size", "512"]
     groups = [Group(OnHost(hosts, hosts[1 + g]), str(tmp_path), g, n, lighthouse, args=args) for g in range(n)]
@@ -467,12 +473,7 @@ def test_every_rank_of_the_survivors_fails_fast_when_a_host_is_cut_not_only_grou
     rank 0 holds the heartbeat stream; its rank 1 fails fast through the fan-out (ft_core.control.notices).
     Without it rank 1 waits out its allreduce (30 s) and the group's commit barrier waits with it."""
     hosts = simulated_hosts(3)
-    port = hosts.free_port(hosts[0])
-    lighthouse = f"{hosts[0].address}:{port}"
-    with open(tmp_path / "lighthouse.log", "ab") as out:
-        hosts.python(hosts[0], "-m", "ft_core", "lighthouse", "--bind", lighthouse, "--http-bind", "off",
-                     "--min-replicas", "1", "--join-timeout-ms", "2000", "--heartbeat-timeout-ms", "2000",
-                     stdout=out, stderr=subprocess.STDOUT)
+    lighthouse = lighthouse_on_host_0(hosts, tmp_path)
     worker = tmp_path / "worker.py"
     worker.write_text(RANKS_WORKER)
     procs = []
