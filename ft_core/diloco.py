@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn, optim
-from torch.distributed.tensor import DTensor
+
+from ft_core.checkpointing.dtensor_wire import is_dtensor
 
 if TYPE_CHECKING:
     from ft_core.manager import Manager
@@ -47,14 +48,14 @@ def fragment_key(fragment_id: int) -> str:
 
 def extract_local_tensor(t: torch.Tensor) -> torch.Tensor:
     """A detached clone of `t`, or of its local shard when `t` is a DTensor."""
-    local = t.to_local() if isinstance(t, DTensor) else t
+    local = t.to_local() if is_dtensor(t) else t
     return local.detach().clone()
 
 
 def _local_view(p: torch.Tensor) -> torch.Tensor:
     """The tensor this process owns of parameter `p` (its shard for a DTensor), without a copy."""
     data = p.data
-    return data.to_local() if isinstance(data, DTensor) else data
+    return data.to_local() if is_dtensor(data) else data
 
 
 def allreduce_tensors(manager: "Manager", tensors: list[torch.Tensor], *, bucket_cap_bytes: int | None
@@ -249,7 +250,9 @@ class DiLoCoFragment:
     def _set_grads(self) -> None:
         for name, p in self._model_fragment.named_parameters():
             grad = self._grads[name]
-            if isinstance(p, DTensor):
+            if is_dtensor(p):
+                from torch.distributed.tensor import DTensor  # loaded already: p is one
+
                 p.grad = DTensor.from_local(grad, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
             else:
                 p.grad = grad.to(p.device)

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn, optim
-from torch.distributed.tensor import DTensor
 
+from ft_core.checkpointing.dtensor_wire import is_dtensor
 from ft_core.diloco import DiLoCoFragment, extract_local_tensor
 from ft_core.errors import ConfigError
 
@@ -131,7 +131,7 @@ class LocalSGD:
             with torch.no_grad():
                 for p, avg in zip(params, averaged):
                     data = p.data
-                    (data.to_local() if isinstance(data, DTensor) else data).copy_(avg)
+                    (data.to_local() if is_dtensor(data) else data).copy_(avg)
 
 
 class DiLoCo:

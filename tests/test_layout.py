@@ -12,6 +12,8 @@ docs/architecture.md explains the rooms and which way their imports go.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +63,9 @@ OPTIONAL_IMPORTS = {
 OPTIONAL_IMPORTS_AT = {
     # backend classes exist only in torch builds with that backend (NCCL: CUDA, XCCL: XPU)
     ("ft_core/process_groups/child.py", "torch._C._distributed_c10d"): "backend-only torch classes",
+    # about 1 s of import time that a process without DTensors never pays (restart to first commit)
+    ("ft_core/checkpointing/dtensor_wire.py", "torch.distributed.tensor"): "import time",
+    ("ft_core/diloco.py", "torch.distributed.tensor"): "import time",
     ("ft_core/process_groups/backends.py", "torch._C._distributed_c10d"): "backend-only torch classes",
     # `ftl accelerate config` stays importable without torch; only `launch` needs it
     ("ft_lightning/accelerate/cli.py", "torch.distributed.elastic.multiprocessing.errors"): "torch kept optional",
@@ -336,3 +341,13 @@ def test_the_public_api_names_real_modules():
     known = {module_name(p) for p in source_files("ft_core")}
     missing = sorted(m for m in {**PUBLIC_API, **TOOLS_API} if m not in known)
     assert not missing, f"PUBLIC_API names modules that do not exist: {missing}"
+
+
+def test_the_training_path_does_not_import_dtensor_until_a_dtensor_exists():
+    """torch.distributed.tensor costs about a second of start-up (restart to first commit); only a process
+    that holds DTensors pays it (ft_core/checkpointing/dtensor_wire.py imports it on the first one)."""
+    code = ("import sys, ft_core.manager, ft_core.ddp, ft_core.data, ft_core.local_sgd, ft_core.checkpointing;"
+            "print('torch.distributed.tensor' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False", "an engine module imports torch.distributed.tensor at module level"

@@ -17,9 +17,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
 
-from ft_core.checkpointing.dtensor_wire import MeshCache, build_dtensor
+from ft_core.checkpointing.dtensor_wire import MeshCache, build_dtensor, is_dtensor
 from ft_core.checkpointing.wire import (
     CRC,
     DIGEST,
@@ -380,7 +379,7 @@ def walk_tensors(obj: Any, visit: Callable[[tuple[Any, ...], torch.Tensor], None
                  path: tuple[Any, ...] = ()) -> None:
     """Call `visit(path, tensor)` for every tensor in a nested dict/list/tuple state (a DTensor's local
     shard stands for the DTensor: that is what travels)."""
-    if isinstance(obj, DTensor):
+    if is_dtensor(obj):
         with torch.no_grad():
             visit(path, obj.to_local())
     elif isinstance(obj, torch.Tensor):

@@ -6,27 +6,39 @@ group sends only its own shard to the same rank of the healing group, so nothing
 The receiver rebuilds the DTensor on an equal DeviceMesh (same device type, ranks and dim names;
 built without creating process groups), or fills its own DTensor in place when the transport was
 given the local state. Every field is validated like the rest of the header.
+
+`torch.distributed.tensor` costs about a second of import time, so it is imported only here, on the
+first DTensor met: an object can be a DTensor only once some code has imported that module (`is_dtensor`).
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ft_core.errors import CheckpointError
 
-__all__ = ["build_dtensor", "encode_mesh", "encode_placements"]
+__all__ = ["build_dtensor", "encode_mesh", "encode_placements", "is_dtensor"]
 
 MAX_MESH_RANKS = 1 << 20
 _DEVICE_TYPES = ("cpu", "cuda", "xpu", "hpu", "mtia", "meta")
 _REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 
 
+def is_dtensor(obj: Any) -> bool:
+    """Whether `obj` is a DTensor, without importing torch.distributed.tensor when nothing has."""
+    module = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(module, "DTensor", None)
+    return cls is not None and isinstance(obj, cls)
+
+
 def encode_placements(placements: tuple[Any, ...], where: str) -> list[list[Any]]:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
     out: list[list[Any]] = []
     for p in placements:
         if type(p) is Shard:
@@ -59,6 +71,8 @@ def _ints(value: Any, what: str, lo: int = 0, hi: int = 1 << 48) -> list[int]:
 
 
 def _placements(value: Any, ndim: int) -> list[Any]:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
     if type(value) is not list:
         raise _bad("DTensor placements must be a list")
     out: list[Any] = []
@@ -113,6 +127,8 @@ class MeshCache:
 
 def build_dtensor(node: dict[str, Any], local: torch.Tensor, meshes: MeshCache) -> torch.Tensor:
     """The DTensor of a validated "dtensor" node around its received local shard."""
+    from torch.distributed.tensor import DTensor
+
     shape = _ints(node.get("shape"), "DTensor shape")
     stride = _ints(node.get("stride"), "DTensor stride")
     if len(stride) != len(shape) or type(node.get("rg")) is not bool or type(node.get("param")) is not bool:

@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
 
 from ft_core.checkpointing.decoding import (
     ArraySpec,
@@ -45,7 +44,7 @@ from ft_core.checkpointing.decoding import (
     split_header_prefix,
     walk_tensors,
 )
-from ft_core.checkpointing.dtensor_wire import encode_mesh, encode_placements
+from ft_core.checkpointing.dtensor_wire import encode_mesh, encode_placements, is_dtensor
 from ft_core.checkpointing.wire import (
     CHECKSUMS,
     CRC,
@@ -205,7 +204,7 @@ class _Encoder:
             return {"$": "tuple", "v": [self.node(v, path + (i,), depth + 1) for i, v in enumerate(obj)]}
         if kind is dict or kind is OrderedDict:
             return self.mapping(obj, path, depth)
-        if isinstance(obj, DTensor):
+        if is_dtensor(obj):
             return self.dtensor(obj, path)
         if isinstance(obj, torch.Tensor):
             return {"$": "tensor", "i": self.tensor(obj, path)}
@@ -254,7 +253,7 @@ class _Encoder:
         self.tensor_ids[id(t)] = len(self.tensors) - 1
         return len(self.tensors) - 1
 
-    def dtensor(self, obj: DTensor, path: tuple[Any, ...]) -> dict[str, Any]:
+    def dtensor(self, obj: Any, path: tuple[Any, ...]) -> dict[str, Any]:
         """A DTensor as its local shard plus its layout: each rank sends its own shard, nothing is gathered."""
         placements = encode_placements(obj.placements, _path_str(path))
         local = obj.detach().to_local()
