@@ -521,7 +521,7 @@ class ChaosRun:
         problems += self.unexpected
         problems += [f"group {s.group} ended {s.state.value} ({s.detail}), not done"
                      for s in self.launcher.statuses() if s.state != GroupState.DONE and s.group not in self.stranded]
-        problems += [f"process {pid} ({what}) is still running after the run" for pid, what in leftovers(self.sessions)]
+        problems += [f"process {pid} ({what}) is still running after the run" for pid, what in leftovers(self.sessions, cfg.token)]
         summary = summarize(self, incarnations, problems, outcomes)
         with open(os.path.join(cfg.out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)

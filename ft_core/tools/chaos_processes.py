@@ -60,8 +60,20 @@ class LighthouseProcess:
         self.proc = None
 
 
-def leftovers(sessions: set[int]) -> list[tuple[int, str]]:
-    """Live processes whose session is one this run created (every child runs in its own session)."""
+def _environ_has(pid: str, marker: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return marker in f.read().split(b"\0")
+    except OSError:  # gone, or not ours to read: then it is no child of this run either
+        return False
+
+
+def leftovers(sessions: set[int], token: str | None = None) -> list[tuple[int, str]]:
+    """Live processes whose session is one this run created (every child runs in its own session, whose
+    id is the child's pid). Process ids are reused within seconds, so after a long run an unrelated
+    process can lead a new session whose id one of ours once had: with `token` (the run's FT_TOKEN, which
+    every process of the run inherits) only a process that carries it counts."""
+    marker = f"FT_TOKEN={token}".encode() if token else None
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -74,6 +86,6 @@ def leftovers(sessions: set[int]) -> list[tuple[int, str]]:
         name = stat[stat.find("(") + 1:stat.rfind(")")]
         fields = stat[stat.rfind(")") + 2:].split()
         state, session = fields[0], int(fields[3])
-        if session in sessions and state != "Z":
+        if session in sessions and state != "Z" and (marker is None or _environ_has(entry, marker)):
             found.append((int(entry), name))
     return found
