@@ -14,8 +14,9 @@ that crosses groups goes through the Manager:
 - healing: model, optimizers, LR schedulers, precision (GradScaler), loop progress, RNG and
   callback state are sent to a group that is behind, which continues at the same epoch and batch;
 - callbacks and metrics: `reduce` (`self.log(sync_dist=True)`) and `reduce_boolean_decision`
-  (ModelCheckpoint, EarlyStopping) run over the live groups, and with `rank_zero="quorum"` one
-  process of the live quorum is rank zero (ft_lightning/_callbacks.py);
+  (ModelCheckpoint, EarlyStopping) run over the live groups, torchmetrics states at a training epoch's
+  end (ft_lightning/_metrics.py), and with `rank_zero="quorum"` one process of the live quorum is rank
+  zero and `broadcast`/`barrier` at validation and epoch ends span the groups (ft_lightning/_callbacks.py);
 - a group that starts after the job finished (its first quorum refused with JobFinishedError) loads
   the job's final checkpoint and ends fit there, or stops with that error (ft_lightning/_late_resume.py).
 """
@@ -33,7 +34,7 @@ from ft_core import settings as ft_settings
 from ft_core.data import DistributedSampler as ExactlyOnceSampler
 from ft_core.ddp import register_comm_hook
 from ft_core.errors import ConfigError, JobFinishedError
-from ft_lightning import _callbacks, _data, _dirs, _late_resume, _progress
+from ft_lightning import _callbacks, _data, _dirs, _late_resume, _metrics, _progress
 from ft_lightning._common import (
     capture_rng,
     create_manager,
@@ -149,6 +150,7 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
         if self._manager is None or trainer.state.fn != "fit":
             return
         self._manager.register_state_dict_fn("lightning", self._load_healed_state, self._healing_state)
+        _metrics.install(self.lightning_module, _metrics.MetricSync(lambda: self._live, self._metrics_cross))  # type: ignore[attr-defined]
         _progress.gate_step_schedulers(trainer, self._scheduler_may_step)
         if self._exactly_once:
             if trainer.accumulate_grad_batches != 1:
@@ -317,10 +319,16 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
     def _at_sync_point(self) -> bool:
         """Validation (it runs at the same batch on every group, committed or not) or a training epoch's
         end (after its last batch completed): every group of the quorum reduces here, in the same order."""
-        if self._validating:
-            return True
+        return self._validating or self._at_epoch_end()
+
+    def _at_epoch_end(self) -> bool:
         progress = self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress  # type: ignore[attr-defined]
         return bool(progress.is_last_batch) and progress.current.completed == progress.current.ready
+
+    def _metrics_cross(self) -> bool:
+        """torchmetrics states cross groups at a training epoch's end only (_metrics.py)."""
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        return self._manager_live and not trainer.validating and not trainer.sanity_checking and self._at_epoch_end()
 
     def _after_vote(self) -> None:
         if self._live is None:
@@ -346,6 +354,23 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
             return out
         reduced = self._live.reduce(out, op)
         return out if reduced is None else reduced
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Lightning's broadcast inside the group; with rank_zero="quorum", at a sync point, then the leader
+        group's value to every live group (JSON values only, never pickled; anything else stays in-group)."""
+        out = super().broadcast(obj, src)  # type: ignore[misc]
+        if self._live is None or not self._manager_live or not self._quorum_rank_zero:
+            return out
+        made, value = self._live.broadcast(out)
+        return value if made else out
+
+    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
+        """Lightning's barrier inside the group; with rank_zero="quorum", at a sync point, then a checked
+        barrier of the live groups, bounded by `timeout` (it fails open: logged, never wedged)."""
+        super().barrier(name, *args, **kwargs)  # type: ignore[misc]
+        if self._live is not None and self._manager_live and self._quorum_rank_zero \
+                and _callbacks.crosses_groups(name):
+            self._live.barrier()
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """All (or any) of the group's ranks, then of the live groups; the group's answer when that fails."""
