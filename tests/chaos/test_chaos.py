@@ -19,6 +19,7 @@ import sys
 import time
 
 import pytest
+from conftest import child_env
 
 from ft_core.tools.chaos import FAULT_KINDS, NETWORK_KINDS, ChaosConfig, ChaosRun
 from ft_core.tools.chaos_checks import (
@@ -39,7 +40,7 @@ from ft_core.tools.chaos_checks import (
     parse_log_name,
 )
 from ft_core.tools.chaos_matrix import MATRIX, cell_for, parse_matrix
-from ft_core.tools.chaos_network import network_unavailable
+from ft_core.tools.chaos_network import network_order, network_unavailable
 from ft_core.tools.chaos_processes import leftovers
 from ft_core.tools.chaos_report import ledger_lines
 from ft_core.tools.chaos_worker import expected_reductions, extreme_value
@@ -256,6 +257,16 @@ def test_leftover_sweep_finds_a_process_of_the_runs_sessions(processes):
     assert leftovers({proc.pid}) == []
 
 
+def test_leftover_sweep_with_the_runs_token_ignores_a_stranger_in_a_reused_session_id(processes):
+    """A long run's session ids are pids that the OS hands out again: a process of someone else that leads
+    a session with such an id is no leftover; one that carries the run's FT_TOKEN is."""
+    ours = processes.python("-c", "import time; time.sleep(60)", env={**child_env(), "FT_TOKEN": "run-a"})
+    stranger = processes.python("-c", "import time; time.sleep(60)", env={**child_env(), "FT_TOKEN": "run-b"})
+    found = [pid for pid, _ in leftovers({ours.pid, stranger.pid}, token="run-a")]
+    assert found == [ours.pid]
+    assert sorted(pid for pid, _ in leftovers({ours.pid, stranger.pid})) == sorted([ours.pid, stranger.pid])
+
+
 def test_the_matrix_covers_every_pair_of_dimensions_and_the_seed_picks_the_cell():
     rows = [(c.ranks, c.sync, c.init_sync, c.batchnorm, c.optimizers, c.extremes, c.worker_faults) for c in MATRIX]
     for i, j in itertools.combinations(range(7), 2):
@@ -344,12 +355,16 @@ def test_bounded_network_chaos_run_keeps_every_promise(tmp_path):
     reason = network_unavailable()
     if reason is not None:
         pytest.skip(reason)
-    # a fixed order, so a failure reruns the same schedule; longer `ftl chaos --network` runs draw every order
-    cfg = dataclasses.replace(bounded_config(str(tmp_path), ci_seed()), network=True, kinds=NETWORK_KINDS,
-                              faults=len(NETWORK_KINDS), ordered=True)
+    # the seed picks the order too (seed // 8 one of the 6, as seed % 8 the cell): a rerun with the same seed
+    # injects the same order, and successive days' runs cover every order in every cell
+    seed = ci_seed()
+    order = network_order(seed)
+    cfg = dataclasses.replace(bounded_config(str(tmp_path), seed), network=True, kinds=order, faults=len(order),
+                              ordered=True)
     run = ChaosRun(cfg)
     summary = run.run()
-    report = run_report(cfg, summary, "ftl chaos --network")
+    report = (f"order {', '.join(order)} (rerun: FT_CHAOS_SEED={seed} python -m pytest tests/chaos/test_chaos.py "
+              f"-k network); " + run_report(cfg, summary, "ftl chaos --network"))
     assert not [name for name in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
                                                 timeout=20, check=False).stdout.split() if run.network.tag in name], report
     assert summary["divergent_commits"] == 0 and summary["wrong_reductions"] == 0, report
@@ -358,12 +373,19 @@ def test_bounded_network_chaos_run_keeps_every_promise(tmp_path):
     others = [p for p in summary["problems"] if not p.startswith(UNDER_REPLICATED)]
     assert not others, report  # gap 4 (a group stranded on the other lighthouse) is fixed: no longer tolerated
     assert summary["faults_by_kind"] == {kind: 1 for kind in NETWORK_KINDS}, report
+    assert [o["kind"] for o in summary["network_faults"]] == list(order), report
     assert outcomes["host_cut"]["rejoined"], report
     assert outcomes["host_cut"]["healed"], report  # the others went on while it was cut: it was behind
     assert outcomes["partition"]["pair_commits"] == 0 and outcomes["partition"]["rejoined"], report
     assert outcomes["lighthouse_cut"]["commits_after_failover"] > 0, report
     assert_trained_to_the_end(summary, report)
 
+
+
+def test_the_network_run_injects_every_order_in_every_cell_over_48_successive_seeds():
+    runs = {(cell_for(seed, tuple(range(len(MATRIX)))).index, network_order(seed)) for seed in range(20784, 20784 + 48)}
+    assert len(runs) == len(MATRIX) * len(list(itertools.permutations(NETWORK_KINDS)))
+    assert network_order(20788) == network_order(20788 + 8 * 6) != network_order(20788 + 8)
 
 
 def test_simulated_hosts_leave_nothing_behind_also_when_making_them_fails():
