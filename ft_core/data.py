@@ -13,6 +13,9 @@ against the assignment, and one small SUM allreduce tells every group which part
 their assigned batch. Only those batches are consumed when the step commits; the others (a group
 that died, healed, was a spare or predicted a different quorum) go back and are served first.
 A group whose prediction was wrong multiplies its loss by 0, so no sample is trained twice.
+The ranks of a group decide alike (each rank's vote reaches only the same rank of the other groups):
+a group holds its assignment only when all its ranks do, judged from the group's shared prediction,
+and a prediction depends only on committed state (outcomes and heals count once their step commits).
 The position is registered with the Manager: it is healed with the model and checkpointed with
 `state_dict()`.
 """
@@ -194,17 +197,32 @@ class BatchRecord:
 @dataclasses.dataclass
 class _Drawn:
     epoch: int
-    positions: tuple[int, ...]
+    group: tuple[tuple[int, ...], ...]  # the predicted pieces of every rank of this group (the same on each rank)
+    positions: tuple[int, ...]  # this rank's: group[group_rank]
     indices: tuple[int, ...]
     num_participants: int  # the step it was drawn for, predicted: all of them hold theirs (unless stale)
     stale: bool = False  # drawn before a step that went otherwise than predicted: predicted to consume nothing
+    void: bool = False  # drawn before a healed position was adopted: it cannot be the assignment
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class _Outcome:
     step: int
     num_participants: int
     held: tuple[bool, ...]
+    predicted: int | None  # the participants the batches drawn after it assumed all hold (None: it consumes nothing)
+    resolved: bool = False  # those batches have learnt whether it went as they assumed
+
+
+def group_holds(drawn_epoch: int, drawn_group: Sequence[Sequence[int]], pos: DataPosition,
+                pieces: list[list[tuple[int, ...]]], rank: int | None) -> bool:
+    """Whether a replica group holds its assignment: every one of its ranks drew its own piece. A rank
+    decides it from the group's predicted pieces (identical on its ranks), never from its own piece alone,
+    so the ranks of a group vote alike and consume alike (in an epoch's tail one rank's piece can match
+    by chance, e.g. be empty both ways, while another's does not)."""
+    if rank is None or rank >= len(pieces) or drawn_epoch != pos.epoch:
+        return False
+    return tuple(tuple(p) for p in drawn_group) == tuple(pieces[rank])
 
 
 class DistributedSampler(torch.utils.data.distributed.DistributedSampler):
@@ -265,6 +283,9 @@ class DistributedSampler(torch.utils.data.distributed.DistributedSampler):
         self._lock = threading.Lock()
         self._pos = DataPosition.start(0, int(manager.current_step()), self._size)
         self._outcome: _Outcome | None = None  # this attempt's consumption, applied once the step commits
+        self._healed: DataPosition | None = None  # a healed position, adopted once its step commits
+        self._healed_keep = False  # loaded before this step's check (synchronous quorum): the check uses it
+        self._async = bool(getattr(getattr(manager, "config", None), "use_async_quorum", True))
         self._drawn: collections.deque[_Drawn] = collections.deque()  # drawn, not yet checked (in order)
         self._predict = (0, 1)  # (participating rank, participants) expected next
         self._target_epoch = 0
@@ -327,23 +348,24 @@ class DistributedSampler(torch.utils.data.distributed.DistributedSampler):
 
     def _batches(self) -> Iterator[list[int]]:
         with self._lock:
-            self._settle()
+            self._resolve()
             if self._outcome is not None and self._manager.current_step() == self._outcome.step:
                 self._outcome = None  # its step did not commit before this pass began: it consumed nothing
             self._drawn.clear()  # batches a previous pass drew and never trained are abandoned, not owed
             self._target_epoch = max(self._target_epoch, self._pos.epoch)
         while True:
             with self._lock:
-                self._settle()
+                self._resolve()
                 guess = self._predicted_position()
                 if guess.epoch > self._target_epoch:
                     return
                 rank, n = self._predict
                 pieces = step_pieces(guess, n, self.shape)
-                piece = pieces[min(rank, len(pieces) - 1)][self.group_rank] if pieces else ()
+                group = tuple(pieces[min(rank, len(pieces) - 1)]) if pieces else ()
+                piece = group[self.group_rank] if group else ()
                 order = self._order(guess.epoch)
                 indices = tuple(order[p] for p in piece)
-                self._drawn.append(_Drawn(guess.epoch, piece, indices, n))
+                self._drawn.append(_Drawn(guess.epoch, group, piece, indices, n))
             yield list(indices) if indices else [order[0]]  # an empty share still runs the step (weight 0)
 
     def _order(self, epoch: int) -> list[int]:
@@ -355,10 +377,10 @@ class DistributedSampler(torch.utils.data.distributed.DistributedSampler):
         return order
 
     def _predicted_position(self) -> DataPosition:
-        """Where the next drawn batch's step will start if every step in flight commits as predicted."""
+        """Where the next drawn batch's step will start if every step in flight commits as predicted: a
+        function of the committed position and of the batches in flight alone, which every rank of the
+        group has alike (a step's outcome counts once the group's commit vote applied it: `_settle`)."""
         guess = self._pos
-        if self._outcome is not None:
-            guess = advance(guess, self._outcome.num_participants, self._outcome.held, self.shape)
         _, n = self._predict
         for drawn in self._drawn:
             if not drawn.stale:
@@ -375,36 +397,28 @@ class DistributedSampler(torch.utils.data.distributed.DistributedSampler):
         if manager is None:
             return 1.0
         with self._lock:
-            self._settle()
+            self._resolve()
             self._outcome = None  # a previous attempt that did not commit consumed nothing
+            if self._healed is not None and not self._healed_keep:
+                self._healed = None  # nor did its heal: the Manager fetches it again
+            self._healed_keep = False
             if not self._drawn:
                 raise FTError("exactly-once sampler: loss_weight() called but no batch was drawn for this step; "
                               "call it once per step, after taking the step's batch from the DataLoader")
             drawn = self._drawn.popleft()
-            pos = self._pos
+            pos = self._healed if self._healed is not None else self._pos
         n = int(manager.num_participants())
         rank = manager.participating_rank()
         pieces = step_pieces(pos, n, self.shape)
-        held = (rank is not None and rank < len(pieces) and drawn.epoch == pos.epoch
-                and drawn.positions == pieces[rank][self.group_rank])
+        held = not drawn.void and group_holds(drawn.epoch, drawn.group, pos, pieces, rank)
         votes = torch.zeros(max(n, 1), dtype=torch.int64)
         if held and rank is not None:
             votes[rank] = 1
         manager.allreduce(votes, dist.ReduceOp.SUM).wait()
-        outcome = _Outcome(pos.step, n, tuple(int(v) > 0 for v in votes.tolist()[:n]))
+        outcome = _Outcome(pos.step, n, tuple(int(v) > 0 for v in votes.tolist()[:n]),
+                           None if drawn.stale else drawn.num_participants)
         with self._lock:
             self._outcome = outcome
-            if drawn.stale:
-                as_predicted = not any(outcome.held)
-            else:
-                as_predicted = all(outcome.held) and n == drawn.num_participants
-            if not as_predicted:
-                # This step went otherwise than the batches drawn after it assumed (a changed quorum, a
-                # heal, a failed step): they are predicted to consume nothing, so the next draws land
-                # where the steps after them will start. Groups with the same loader have as many
-                # batches in flight and see the same outcome, so their predictions meet again.
-                for later in self._drawn:
-                    later.stale = True
             if rank is not None:
                 self._predict = (rank, n)
             else:  # healing or spare: next step it most likely takes part after the current ones
@@ -425,19 +439,61 @@ class DistributedSampler(torch.utils.data.distributed.DistributedSampler):
         held = tuple(int(v) > 0 for v in votes.tolist()[:outcome.num_participants])
         with self._lock:
             if self._outcome is outcome:
-                self._outcome = dataclasses.replace(outcome, held=held)
+                outcome.held = held
         consumed = tuple(order[p] for r, ranks in enumerate(pieces) if held[r] for p in ranks[self.group_rank])
         if self.last_batch is not None:
             self.last_batch = dataclasses.replace(self.last_batch, held=held, consumed=consumed)
 
     def _settle(self) -> None:
-        """Apply this attempt's consumption once the Manager has committed its step (lock held)."""
+        """Apply this attempt's consumption (to its healed position, if it healed) once the Manager has
+        committed its step: after the group's commit vote, so on every rank of the group alike (lock held).
+        A heal whose step could not commit (too few participants) while every rank of the group loaded it
+        is adopted by the Manager without the step on top (`step_rules.on_vote`, group_healed): the sampler
+        then adopts the healed position alike, and that attempt consumed nothing."""
+        healed = self._healed
+        if healed is not None and self._manager.current_step() == healed.step:
+            self._pos, self._healed = healed, None
+            for drawn in self._drawn:  # predicted from the position before the heal
+                drawn.void = True
+            self._target_epoch = max(self._target_epoch, healed.epoch)
         out = self._outcome
-        if out is None or self._pos.step != out.step:
+        base = self._healed if self._healed is not None else self._pos
+        if out is None or base.step != out.step or self._manager.current_step() != out.step + 1:
             return
-        if self._manager.current_step() == out.step + 1:
-            self._pos = advance(self._pos, out.num_participants, out.held, self.shape)
-            self._outcome = None
+        self._learn(out, committed=True)
+        if self._healed is not None:
+            for drawn in self._drawn:  # predicted from the position before the heal
+                drawn.void = True
+            self._healed = None
+            self._target_epoch = max(self._target_epoch, base.epoch)
+        self._pos = advance(base, out.num_participants, out.held, self.shape)
+        self._outcome = None
+
+    def _resolve(self) -> None:
+        """Before a draw or a step's check (lock held): the last checked step is over, committed (applied)
+        or not (it consumed nothing); the batches drawn after it learn which."""
+        self._settle()
+        if self._outcome is not None:
+            self._learn(self._outcome, committed=False)
+
+    def _learn(self, out: _Outcome, committed: bool) -> None:
+        """Mark the batches in flight stale if step `out` went otherwise than they assumed: they are then
+        predicted to consume nothing, so the next draws land where the steps after them will start.
+        Groups with the same loader have as many batches in flight and see the same outcome, so their
+        predictions meet again. Decided from the committed outcome only (a step that did not commit
+        consumed nothing, whatever its votes said on this rank), so every rank of a group marks alike."""
+        if out.resolved:
+            return
+        out.resolved = True
+        if not committed:
+            as_predicted = out.predicted is None
+        elif out.predicted is None:
+            as_predicted = not any(out.held)
+        else:
+            as_predicted = all(out.held) and out.num_participants == out.predicted
+        if not as_predicted:
+            for later in self._drawn:
+                later.stale = True
 
     # ---- state ----
 
@@ -457,19 +513,24 @@ class DistributedSampler(torch.utils.data.distributed.DistributedSampler):
         with self._lock:
             self._check(state)
             self._pos = DataPosition.from_dict(state["position"])
-            self._outcome = None
+            self._outcome = self._healed = None
+            for drawn in self._drawn:
+                drawn.void = True
             self._target_epoch = max(self._target_epoch, self._pos.epoch)
         logger.info("exactly-once sampler: resumed at epoch %d, step %d, %d samples left in the epoch",
                     self._pos.epoch, self._pos.step, self._pos.remaining())
 
     def _load_healed(self, state: dict[str, Any]) -> None:
-        """The source's position at the start of this step; this step's outcome then applies to it."""
+        """The source's position at the start of this step, adopted (with this step's outcome applied to
+        it) only if the step commits, as the Manager adopts the healed step: a heal that one rank of the
+        group loaded and another failed to fetch leaves both ranks where they were."""
         with self._lock:
             self._check(state)
-            self._pos = DataPosition.from_dict(state["position"])
-            if self._outcome is not None:
-                self._outcome = dataclasses.replace(self._outcome, step=self._pos.step)
-            self._target_epoch = max(self._target_epoch, self._pos.epoch)
+            self._settle()  # the previous step's outcome, if it committed
+            self._healed = DataPosition.from_dict(state["position"])
+            if self._async and self._outcome is not None:  # loaded at commit, after this step's check
+                self._outcome.step = self._healed.step
+            self._healed_keep = not self._async  # loaded at the quorum, before this step's check
 
     def _check(self, state: dict[str, Any]) -> None:
         size = int(state["position"]["size"])

@@ -6,6 +6,7 @@ Each line: {"kind": "attempt", step, epoch, indices, rank, n, valid, held, consu
 then {"kind": "outcome", committed, held, consumed} after the vote (held and consumed as of the vote: a
 step redone without a lost peer, ft_core/redo.py, re-reads who held its batch). A durable checkpoint (manager + sampler + model)
 is written every `--save-every` committed steps when `--save` is given, and loaded at start with `--resume`.
+`--hold FILE`: start (imports, torchrun ranks), then join the job only once FILE is removed.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def main() -> int:
     p.add_argument("--stop-at-step", type=int, default=None, help="exit cleanly once this step is committed")
     p.add_argument("--gate", default=None, help="while this file exists, steps from --gate-epoch on are slow")
     p.add_argument("--gate-epoch", type=int, default=0)
+    p.add_argument("--hold", default=None, help="wait (started and imported) until this file is gone, then join")
     args = p.parse_args()
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
@@ -50,6 +52,8 @@ def main() -> int:
     groups = int(os.environ["NUM_REPLICA_GROUPS"])
     if world > 1:
         dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    while args.hold and os.path.exists(args.hold):  # the test decides when this group joins the job
+        time.sleep(0.05)
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)

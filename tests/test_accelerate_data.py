@@ -56,8 +56,10 @@ def run_with_kills(processes, tmp_path, *, kills: int, args: list[str], nproc: i
 ])
 def test_accelerate_ledger_three_groups_with_kills(processes, tmp_path, variant, kills, extra, nproc):
     size, epochs = 240, 5
+    # Steps are slow only while kills are to come: 10 restarts of 10-40 s each must fit in the first 4 epochs.
+    sleep = "0.5" if kills <= 4 else "2.0"
     run_with_kills(processes, tmp_path, kills=kills, nproc=nproc, kill_before_epoch=epochs - 1,
-                   args=["--epochs", str(epochs), "--size", str(size), "--step-sleep", "0.5", *extra])
+                   args=["--epochs", str(epochs), "--size", str(size), "--step-sleep", sleep, *extra])
     verdict = check_ledger(tmp_path, size, columns=nproc)
     assert sorted(verdict) == list(range(epochs)), verdict
     assert all(v["lost"] == 0 and v["duplicated"] == 0 for v in verdict.values()), verdict
