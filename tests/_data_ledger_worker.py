@@ -52,7 +52,10 @@ def main() -> int:
     groups = int(os.environ["NUM_REPLICA_GROUPS"])
     if world > 1:
         dist.init_process_group("gloo", timeout=timedelta(seconds=30))
-    while args.hold and os.path.exists(args.hold):  # the test decides when this group joins the job
+    held_until = time.monotonic() + 300  # the test decides when this group joins the job, within a bound
+    while args.hold and os.path.exists(args.hold):
+        if time.monotonic() > held_until:
+            sys.exit(f"--hold {args.hold} still exists after 300 s: the test never let this group join")
         time.sleep(0.05)
 
     torch.manual_seed(0)

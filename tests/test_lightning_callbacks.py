@@ -5,7 +5,6 @@ group that is rank zero. The training process is tests/_lightning_callbacks_work
 from __future__ import annotations
 
 import csv
-import json
 import os
 import subprocess
 from collections import defaultdict
@@ -13,30 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO_ROOT, child_env
+from _trainer_groups import logs, records, start_group
+from conftest import REPO_ROOT
 
 WORKER = os.path.join(REPO_ROOT, "tests", "_lightning_callbacks_worker.py")
 GROUPS = 3
 
 
 def start(processes, address: str, out: Path, group: int, *args: str, restart: int = 0) -> subprocess.Popen:
-    env = child_env(FT_LIGHTHOUSE=address, REPLICA_GROUP_ID=str(group), NUM_REPLICA_GROUPS=str(GROUPS),
-                    FT_TIMEOUT_SEC="30", FT_QUORUM_TIMEOUT_SEC="90", FT_CONNECT_TIMEOUT_SEC="30",
-                    FT_RESTART_COUNT=str(restart), PYTHONWARNINGS="ignore")
-    with open(out / f"group{group}.log", "ab") as log:
-        return processes.python(WORKER, "--out", str(out), "--group", str(group), *args, env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
-
-
-def logs(out: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(out.glob("group*.log")))
-
-
-def records(out: Path) -> list[dict]:
-    rows = []
-    for path in sorted(out.glob("record_g*.jsonl")):
-        rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return rows
+    return start_group(processes, WORKER, address, out, group, GROUPS, *args, restart=restart)
 
 
 @pytest.mark.timeout(110)

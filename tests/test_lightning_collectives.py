@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _trainer_groups import logs, records, start_group
 from conftest import REPO_ROOT, assert_bounded, child_env
 
 WORKER = os.path.join(REPO_ROOT, "tests", "_lightning_collectives_worker.py")
@@ -165,23 +166,7 @@ def test_barrier_with_a_hung_or_killed_peer_returns_within_its_bound(processes, 
 # ---- real Trainer processes ---------------------------------------------------------------------
 
 def _start(processes, address: str, out: Path, group: int, groups: int, *args: str) -> subprocess.Popen:
-    env = child_env(FT_LIGHTHOUSE=address, REPLICA_GROUP_ID=str(group), NUM_REPLICA_GROUPS=str(groups),
-                    FT_TIMEOUT_SEC="30", FT_QUORUM_TIMEOUT_SEC="60", FT_CONNECT_TIMEOUT_SEC="30",
-                    PYTHONWARNINGS="ignore")
-    with open(out / f"group{group}.log", "ab") as log:
-        return processes.python(WORKER, "--out", str(out), "--group", str(group), *args, env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
-
-
-def _logs(out: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(out.glob("group*.log")))
-
-
-def _records(out: Path) -> list[dict]:
-    rows = []
-    for path in sorted(out.glob("record_g*.jsonl")):
-        rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return rows
+    return start_group(processes, WORKER, address, out, group, groups, *args, quorum_timeout_s=60)
 
 
 def _run_trainers(processes, tmp_path: Path, groups: int, *args: str) -> list[dict]:
@@ -191,10 +176,10 @@ def _run_trainers(processes, tmp_path: Path, groups: int, *args: str) -> list[di
                           heartbeat_timeout_ms=5_000, http_bind=None) as lighthouse:
         procs = [_start(processes, lighthouse.address(), tmp_path, g, groups, *args) for g in range(groups)]
         for proc in procs:
-            assert proc.wait(timeout=95) == 0, _logs(tmp_path)
-    rows = _records(tmp_path)
+            assert proc.wait(timeout=95) == 0, logs(tmp_path)
+    rows = records(tmp_path)
     vals = [r for r in rows if r["kind"] == "val"]
-    assert {(r["group"], r["epoch"]) for r in vals} == {(g, e) for g in range(groups) for e in (0, 1)}, _logs(tmp_path)
+    assert {(r["group"], r["epoch"]) for r in vals} == {(g, e) for g in range(groups) for e in (0, 1)}, logs(tmp_path)
     for r in vals:
         assert r["tuple"] == [r["group"], "own"], r  # not JSON: the group's own value
         assert r["val_seen"] == 4.0, r  # torchmetrics in validation: the group's own (whole) validation set
