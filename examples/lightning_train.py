@@ -12,8 +12,9 @@ or by hand, one terminal per group (plus `ftl lighthouse --min-replicas 1`):
     FT_LIGHTHOUSE=127.0.0.1:29510 REPLICA_GROUP_ID=1 NUM_REPLICA_GROUPS=2 python examples/lightning_train.py
 
 `--devices 2` runs two ranks inside each group (DDP over gloo inside the group). Killed groups
-that restart heal from a live one and continue at the same step, epoch and batch; logs and
-checkpoints go to <root>/replica_group_<id>/.
+that restart heal from a live one and continue at the same step, epoch and batch; logs go to
+<root>/replica_group_<id>/, checkpoints to <root>/checkpoints/ (one folder for the job: rank zero of
+the live groups writes each file).
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def main() -> None:
         group = os.environ.get("REPLICA_GROUP_ID", "0")
         print(f"replica group {group}: {trainer.global_step} committed steps "
               f"(manager step {trainer.strategy.manager.current_step()}), epoch {trainer.current_epoch}, "
-              f"val_acc {result['val_acc']:.3f}, logs and checkpoints in {trainer.default_root_dir}")
+              f"val_acc {result['val_acc']:.3f}, logs in {trainer.default_root_dir}, checkpoints in "
+              f"{checkpoints.dirpath}")
 
 
 if __name__ == "__main__":

@@ -159,9 +159,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("exactly_once", "FT_EXACTLY_ONCE", parse_bool, False, "boolean",
             "Lightning and Accelerate: train every sample once per epoch across groups that die and heal "
             "(ft_core.data exactly-once sampler, docs/data.md) instead of a static shard per group"),
-    Setting("rank_zero", "FT_RANK_ZERO", parse_choice(("group", "quorum")), "group", "group|quorum",
-            "Lightning Trainer: who is rank zero (writes checkpoints and log lines): group rank 0 of every group, "
-            "or of the live participating group with the lowest replica rank only (as under DDP)"),
+    Setting("rank_zero", "FT_RANK_ZERO", parse_choice(("group", "quorum")), "quorum", "group|quorum",
+            "Lightning Trainer: who is rank zero (writes checkpoints and log lines): group rank 0 of the live "
+            "participating group with the lowest replica rank only, as under DDP, checkpoints in one folder shared "
+            "by the groups (quorum), or group rank 0 of every group, each in its own folders (group)"),
     Setting("global_batch_size", "FT_GLOBAL_BATCH_SIZE", parse_int, None, "integer",
             "samples per committed step whatever the number of participants (implies FT_EXACTLY_ONCE)"),
     Setting("checkpoint_dir", "FT_CHECKPOINT_DIR", parse_str, None, "path",

@@ -20,17 +20,18 @@ together to the live replica groups, as plain DDP would over its whole world:
     commit while the others' did is one global_step behind until its next quorum heals it (and a
     group resumed from its own checkpoint saves again), so its callbacks may reduce when the others'
     do not, and a reduction of ours would be paired with another group's gradient allreduce.
-- `broadcast` and `barrier` with `rank_zero="quorum"` (with "group" each group is its own rank zero, so
+- `broadcast` and `barrier` with `rank_zero="quorum"` (the default; with "group" each group is its own rank zero, so
   they stay in the group), at the same sync points: the leader group's value (JSON values only, as UTF-8
   bytes in a tensor after a checked header round; never pickled, anything else stays in the group with
   a warning once) and a checked barrier every live group must reach within `timeout`, failing open (the
   process group aborted, as for reductions). Lightning's set-up and data-loading barriers stay in-group.
 - `gather`: torchmetrics states across the live groups at a training epoch's end (ft_lightning/_metrics.py).
-- "rank zero" with `rank_zero="quorum"`: `trainer.is_global_zero` and Lightning's `rank_zero_only`
+- "rank zero" with `rank_zero="quorum"` (the default): `trainer.is_global_zero` and Lightning's `rank_zero_only`
   functions (loggers, `rank_zero_info`) are true on group rank 0 of the group with participating
   rank 0 in the last quorum (the live participating group with the lowest replica rank), so one
   process writes each checkpoint file and each log line. Before the first quorum it is group rank 0
-  of replica group 0 unless the group was restarted (FT_RESTART_COUNT > 0).
+  of replica group 0 unless the group was restarted (FT_RESTART_COUNT > 0). Checkpoints then go to one
+  folder shared by the groups (ft_lightning/_dirs.py); logs stay in each group's folder.
 - ModelCheckpoint's state (best score, top-k, paths, the step it last saved) is sent to a healing
   group with `rank_zero="quorum"`; paths under the source's directory are rewritten to the same
   names under the healed group's directory (identical when the checkpoint directory is shared).

@@ -11,9 +11,10 @@ late group could resume.
 Where the job's checkpoints are (docs/lightning.md, "Directories"): every ModelCheckpoint's dirpath
 and `<default_root_dir>/checkpoints`, and, where those paths hold this group's `replica_group_<id>`
 component, the same paths of every other group (`replica_group_*`, any logger `version_*` after
-it): with the default rank_zero="group" each group saves into its own folder, and with
-rank_zero="quorum" the group that was rank zero wrote the file, in its folder unless the dirpath is
-shared.
+it): with the default rank_zero="quorum" the group that was rank zero wrote the file into the one
+folder the groups share (a ModelCheckpoint without a dirpath: `<default_root_dir>/checkpoints`, set
+by ft_lightning/_dirs.py before this search), and with rank_zero="group" each group saved into its
+own folder.
 """
 
 from __future__ import annotations

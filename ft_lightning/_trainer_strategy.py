@@ -15,8 +15,9 @@ that crosses groups goes through the Manager:
   callback state are sent to a group that is behind, which continues at the same epoch and batch;
 - callbacks and metrics: `reduce` (`self.log(sync_dist=True)`) and `reduce_boolean_decision`
   (ModelCheckpoint, EarlyStopping) run over the live groups, torchmetrics states at a training epoch's
-  end (ft_lightning/_metrics.py), and with `rank_zero="quorum"` one process of the live quorum is rank
-  zero and `broadcast`/`barrier` at validation and epoch ends span the groups (ft_lightning/_callbacks.py);
+  end (ft_lightning/_metrics.py), and with `rank_zero="quorum"` (the default) one process of the live
+  quorum is rank zero, the checkpoints are in one folder shared by the groups (ft_lightning/_dirs.py),
+  and `broadcast`/`barrier` at validation and epoch ends span the groups (ft_lightning/_callbacks.py);
 - a group that starts after the job finished (its first quorum refused with JobFinishedError) loads
   the job's final checkpoint and ends fit there, or stops with that error (ft_lightning/_late_resume.py).
 """
@@ -58,17 +59,20 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
     """Fault tolerance across replica groups for a Lightning `DDPStrategy` (see the module docstring).
 
     Arguments: those of `FTStrategyBase` (each falls back to its FT_* variable), plus
-        per_group_dirs: write logs and checkpoints under `replica_group_<id>` (default True).
+        per_group_dirs: write `default_root_dir` and file loggers under `replica_group_<id>` (default True;
+            checkpoints too with rank_zero="group"). False leaves every folder as Lightning makes it.
         exactly_once: FT_EXACTLY_ONCE, train every sample once per epoch whatever groups die and heal
             (the training loader gets `ft_core.data.DistributedSampler(manager=...)`; docs/data.md).
             Default False: a static shard per group, lossy while a group is down.
         global_batch_size: FT_GLOBAL_BATCH_SIZE, samples per committed step whatever the number of
             participants (implies exactly_once).
         rank_zero: FT_RANK_ZERO, who is `trainer.is_global_zero` (and Lightning's rank_zero_only):
-            "group" (default): group rank 0 of every group, each writing its own checkpoints and logs;
-            "quorum": group rank 0 of the live participating group with the lowest replica rank, so one
-            process writes each checkpoint file and log line, as under DDP; an explicit
-            ModelCheckpoint dirpath is then shared by the groups (docs/lightning.md).
+            "quorum" (default): group rank 0 of the live participating group with the lowest replica rank,
+            so one process writes each checkpoint file and log line, as under DDP; the checkpoints go to one
+            folder shared by the groups (`<default_root_dir>/checkpoints`, or the ModelCheckpoint's dirpath),
+            where `ckpt_path="last"` finds them from any group; logs stay in each group's folder.
+            "group" (the opt-out): group rank 0 of every group, each writing its own checkpoints and logs
+            under `replica_group_<id>` (docs/lightning.md).
     """
 
     MANAGER_MISSING = ("the fault-tolerant Manager exists once trainer.fit() has set up the strategy "
@@ -118,11 +122,14 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
     def setup_environment(self) -> None:
         super().setup_environment()  # type: ignore[misc]   # Lightning's group-only default process group
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
-        if self._per_group_dirs:
-            _dirs.apply_group_dirs(trainer, self._ft_settings.group_dir_name(),
-                                   shared_checkpoints=self._quorum_rank_zero)
+        self._apply_dirs(trainer)
         if trainer.state.fn == "fit":
             self._start_manager()
+
+    def _apply_dirs(self, trainer: Any) -> None:
+        """Per-group log folders, and the shared checkpoint folder with rank_zero="quorum" (_dirs.py)."""
+        _dirs.apply_dirs(trainer, self._ft_settings.group_dir_name(), per_group=self._per_group_dirs,
+                         shared_checkpoints=self._quorum_rank_zero)
 
     def _start_manager(self) -> None:
         previous = self._manager.state_dict() if self._manager is not None else None

@@ -1,6 +1,11 @@
-"""One replica group for tests/test_lightning_callbacks.py (run as a script): a Trainer with
-`rank_zero="quorum"`, `ModelCheckpoint(save_top_k=2, monitor="val_metric")` in a directory shared by
-the groups, `EarlyStopping`, `LearningRateMonitor` and a CSVLogger.
+"""One replica group for tests/test_lightning_callbacks.py (run as a script): a Trainer with the
+strategy's default `rank_zero="quorum"` (or --rank-zero), `ModelCheckpoint(save_top_k=2,
+monitor="val_metric")` in a directory shared by the groups (--ckpt-dir, or the strategy's default folder
+with --no-dirpath), `EarlyStopping`, `LearningRateMonitor` and a CSVLogger.
+
+--go MARKER: a restart started ahead of time (its imports done while the others train) waits for that
+file before it builds its Trainer, so the test's restart costs no import time under load. --resume-last:
+`fit(ckpt_path="last")`.
 
 `val_metric` is logged with `sync_dist=True`: each group logs `base(epoch) + offset(group)` (the
 offsets are small, so the order of the epochs' values does not depend on who is alive), the reduction
@@ -93,8 +98,13 @@ class Recorder(pl.Callback):
         io.save_checkpoint, io.remove_checkpoint = saving, removing  # the real writes, recorded
 
     def on_train_start(self, trainer, pl_module):  # type: ignore[no-untyped-def]
-        self.write({"kind": "start", "step": trainer.strategy.manager.current_step()})
+        self.write({"kind": "start", "step": trainer.strategy.manager.current_step(),
+                    "restart": int(os.environ.get("FT_RESTART_COUNT", "0"))})
         self.first_batch = True
+        restart = os.environ.get("FT_RESTART_COUNT", "0")
+        open(os.path.join(self.args.out, f"ready_g{self.args.group}_r{restart}"), "w").close()  # its Manager is up
+        for group in filter(None, (self.args.wait_ready or "").split(",")):  # the others are heartbeating
+            self._wait(f"ready_g{group}_r0", settle=0.0)
         if self.args.wait_start:  # the test's ordering: the first quorum includes that group
             self._wait(self.args.wait_start)
 
@@ -104,11 +114,11 @@ class Recorder(pl.Callback):
             restart = os.environ.get("FT_RESTART_COUNT", "0")
             open(os.path.join(self.args.out, f"started_g{self.args.group}_r{restart}"), "w").close()
 
-    def _wait(self, marker: str) -> None:
+    def _wait(self, marker: str, settle: float = 1.0) -> None:
         deadline = time.monotonic() + 90
         while not os.path.exists(os.path.join(self.args.out, marker)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        time.sleep(1.0)  # that group is asking the lighthouse for its quorum by now
+        time.sleep(settle)  # that group is asking the lighthouse for its quorum by now
 
     def on_train_epoch_start(self, trainer, pl_module):  # type: ignore[no-untyped-def]
         if self.args.wait_for and trainer.current_epoch == self.args.wait_epoch:  # the test's ordering
@@ -150,21 +160,33 @@ def main() -> int:
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--kill-at-step", type=int, default=None)
     p.add_argument("--wait-start", default=None, help="at train start, wait for this marker file")
+    p.add_argument("--wait-ready", default=None, help="at train start, wait until these groups (0,1,..) are too")
     p.add_argument("--wait-for", default=None, help="at --wait-epoch's start, wait for this marker file")
     p.add_argument("--wait-epoch", type=int, default=2)
+    p.add_argument("--rank-zero", default=None, help="group|quorum (unset: the strategy's default)")
+    p.add_argument("--no-dirpath", action="store_true", help="ModelCheckpoint without a dirpath (the default folder)")
+    p.add_argument("--save-last", action="store_true")
+    p.add_argument("--resume-last", action="store_true", help='fit(ckpt_path="last")')
+    p.add_argument("--patience", type=int, default=1)
+    p.add_argument("--go", default=None, help="wait for this marker file before building the Trainer")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    if args.go:
+        deadline = time.monotonic() + 100
+        while not os.path.exists(os.path.join(args.out, args.go)) and time.monotonic() < deadline:
+            time.sleep(0.05)
     pl.seed_everything(0, verbose=False)
-    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(args.out, "ckpts"), monitor="val_metric",
-                                              mode="min", save_top_k=2)
-    stop = pl.callbacks.EarlyStopping(monitor="val_metric", mode="min", patience=1)
-    trainer = pl.Trainer(strategy=FaultTolerantDDPStrategy(rank_zero="quorum"), accelerator="cpu", devices=1,
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=None if args.no_dirpath else os.path.join(args.out, "ckpts"),
+                                              monitor="val_metric", mode="min", save_top_k=2,
+                                              save_last=args.save_last or None)
+    stop = pl.callbacks.EarlyStopping(monitor="val_metric", mode="min", patience=args.patience)
+    trainer = pl.Trainer(strategy=FaultTolerantDDPStrategy(rank_zero=args.rank_zero), accelerator="cpu", devices=1,
                          max_epochs=args.epochs, default_root_dir=args.out, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=1,
                          logger=CSVLogger(args.out, flush_logs_every_n_steps=1),
                          callbacks=[Recorder(args), checkpoint, stop,
                                     pl.callbacks.LearningRateMonitor(logging_interval="step")])
-    trainer.fit(Model(args))
+    trainer.fit(Model(args), ckpt_path="last" if args.resume_last else None)
     return 0
 
 

@@ -95,7 +95,7 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--group", type=int, required=True)
     p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--rank-zero", default="group")
+    p.add_argument("--rank-zero", default=None, help="group|quorum (unset: the strategy's default)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     pl.seed_everything(0, verbose=False)

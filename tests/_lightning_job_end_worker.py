@@ -57,7 +57,7 @@ def main() -> int:
     p.add_argument("--out", required=True, help="default_root_dir, shared by the groups")
     p.add_argument("--result", required=True)
     p.add_argument("--ckpt-dir", default=None, help="an explicit ModelCheckpoint dirpath")
-    p.add_argument("--rank-zero", default="group")
+    p.add_argument("--rank-zero", default=None, help="group|quorum (unset: the strategy's default)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--size", type=int, default=48)
     p.add_argument("--sleep", type=float, default=0.0)

@@ -76,6 +76,7 @@ def main() -> int:
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--gate", default=None, help="from epoch --gate-epoch on, each batch waits while this file exists")
     p.add_argument("--gate-epoch", type=int, default=0)
+    p.add_argument("--no-resume", action="store_true", help="fit without ckpt_path=\"last\"")
     args = p.parse_args()
     pl.seed_everything(0, verbose=False)
     strategy = FaultTolerantDDPStrategy(timeout=5.0, quorum_timeout=60.0)
@@ -86,7 +87,7 @@ def main() -> int:
                          enable_model_summary=False, log_every_n_steps=1,
                          callbacks=[checkpoint, Events(args.events, args.kill_at_step, args.sleep, args.gate,
                                                                       args.gate_epoch)])
-    trainer.fit(Model(), ckpt_path="last")
+    trainer.fit(Model(), ckpt_path=None if args.no_resume else "last")
     return 0
 
 

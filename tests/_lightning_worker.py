@@ -177,6 +177,7 @@ def main() -> None:
     parser.add_argument("--fail-at-step", type=int, default=None)
     parser.add_argument("--kill-at-step", type=int, default=None)
     parser.add_argument("--checkpoint", action="store_true")
+    parser.add_argument("--machine-dir", default=None, help="this group's own checkpoint root (another machine's disk)")
     args = parser.parse_args()
 
     events = EventCounter()
@@ -188,7 +189,8 @@ def main() -> None:
 
     pl.seed_everything(0, verbose=False)
     callbacks: list[pl.Callback] = [Recorder(args, events)]
-    ckpt_dir = os.path.join(args.out, "ckpts")  # the strategy makes it ckpts/replica_group_<id>
+    # shared by the groups (rank_zero="quorum", the default), unless this group is on "another machine"
+    ckpt_dir = os.path.join(args.machine_dir or args.out, "ckpts")
     if args.checkpoint:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=2,
                                                       save_top_k=1))
@@ -197,8 +199,7 @@ def main() -> None:
                          default_root_dir=args.out, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, enable_checkpointing=args.checkpoint,
                          num_sanity_val_steps=0, callbacks=callbacks)
-    last = os.path.join(ckpt_dir, f"replica_group_{args.group}", "last.ckpt")
-    trainer.fit(Regression(args), ckpt_path=last if args.checkpoint and os.path.exists(last) else None)
+    trainer.fit(Regression(args), ckpt_path="last" if args.checkpoint else None)
 
 
 if __name__ == "__main__":

@@ -153,7 +153,8 @@ def _same(a: dict, b: dict) -> bool:
 
 @pytest.mark.timeout(110)
 @pytest.mark.parametrize("layout", [
-    pytest.param([], id="rank_zero=group, default per-group folders: another group's last.ckpt"),
+    pytest.param([], id="default rank_zero=quorum, no dirpath: the job's shared checkpoints folder"),
+    pytest.param(["--rank-zero", "group"], id="rank_zero=group, default per-group folders: another group's last.ckpt"),
     pytest.param(["--rank-zero", "quorum", "--ckpt-dir", "{tmp}/shared"], id="rank_zero=quorum, shared dirpath"),
 ])
 def test_a_lightning_group_started_after_the_job_finished_resumes_from_its_last_checkpoint(processes, tmp_path, layout):
@@ -165,6 +166,10 @@ def test_a_lightning_group_started_after_the_job_finished_resumes_from_its_last_
     assert len(lines) == 1 and "the job finished at step 8" in lines[0], out[-3000:]
     loaded = lines[0].split("loading its checkpoint ", 1)[1].split(" (step 8)", 1)[0]
     assert os.path.basename(loaded) == "last.ckpt" and "replica_group_2" not in loaded, lines[0]
+    if not layout:  # the default: one folder for the job, not a group's (nor a logger version's) folder
+        assert loaded == str(tmp_path / "run" / "checkpoints" / "last.ckpt"), lines[0]
+    if layout[:2] == ["--rank-zero", "group"]:
+        assert "replica_group_" in loaded, lines[0]
     final = torch.load(loaded, weights_only=True)  # the finished groups' final checkpoint
     mine = torch.load(tmp_path / "result2.pt", weights_only=True)
     assert _same(mine["model"], final["state_dict"]) and _same(mine["model"], r0["model"])  # bitwise
@@ -202,7 +207,9 @@ def _ckpt(path, step: int) -> None:
      "ck/replica_group_1/last.ckpt"),
     # rank_zero="quorum" with a dirpath: one shared folder
     ({"ck/epoch=1-step=8.ckpt": 8}, ["ck"], 8, "ck/epoch=1-step=8.ckpt"),
-    # rank_zero="quorum" without one: the rank-zero group's own folder, found from another group
+    # rank_zero="quorum" (the default) without one: the job's shared <default_root_dir>/checkpoints
+    ({"checkpoints/last.ckpt": 8}, ["checkpoints"], 8, "checkpoints/last.ckpt"),
+    # a folder written by a group of rank_zero="group" (another group's), found from a group's own folder
     ({"replica_group_0/checkpoints/last.ckpt": 8}, ["replica_group_2/checkpoints"], 8,
      "replica_group_0/checkpoints/last.ckpt"),
     # this group's own stale checkpoint (a killed run) is behind the end: another group's is used

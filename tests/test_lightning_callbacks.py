@@ -1,10 +1,9 @@
-"""Callbacks and metrics over the live quorum (`FaultTolerantDDPStrategy(rank_zero="quorum")`): real
+"""Callbacks and metrics over the live quorum (the strategy's default `rank_zero="quorum"`): real
 Trainer processes on CPU, a loopback lighthouse in this process, a real SIGKILL and restart of the
 group that is rank zero. The training process is tests/_lightning_callbacks_worker.py."""
 
 from __future__ import annotations
 
-import csv
 import os
 import subprocess
 from collections import defaultdict
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _trainer_groups import logs, records, start_group
+from _trainer_groups import logs, lr_steps_by_group, records, start_group
 from conftest import REPO_ROOT
 
 WORKER = os.path.join(REPO_ROOT, "tests", "_lightning_callbacks_worker.py")
@@ -24,29 +23,29 @@ def start(processes, address: str, out: Path, group: int, *args: str, restart: i
 
 
 @pytest.mark.timeout(110)
-@pytest.mark.xfail(strict=False, reason="slow under heavy load (issue 16, measured 2026-12-01): 8 of 9 runs passed "
-                   "(6 alone at load 14-20, in 64-98 s; 2 run side by side at load ~27, in about 105 s); the failure, beside "
-                   "a 3-process Trainer test at load ~20, was the 110 s timeout: the Trainers took 75 s to reach their first "
-                   "batch and the restart 35 s, and the run itself was correct (check_run passed on its records). The "
-                   "earlier 'group 2 fell 8 steps behind' did not recur")
 def test_one_writer_per_checkpoint_same_best_and_same_early_stop_through_a_kill(processes, tmp_path):
-    """3 groups; group 0 (rank zero) is SIGKILLed in epoch 1 and restarted; the others wait for it at
-    epoch 2 (so it heals before the early stop). Each checkpoint event writes exactly one file, by group
-    rank 0 of the lowest group that committed that step (group 1 while group 0 is away, group 0 again after
-    it healed); every group ends with the same top-k, best score and EarlyStopping state, at the same
-    step, stopped early by EarlyStopping; `sync_dist` values are the same on every group."""
+    """3 groups, the strategy's default rank_zero ("quorum"); group 0 (rank zero) is SIGKILLed in epoch 1
+    and restarted; the others wait for it at epoch 2 (so it heals before the early stop). Each checkpoint
+    event writes exactly one file, by group rank 0 of the lowest group that committed that step (group 1
+    while group 0 is away, group 0 again after it healed); every group ends with the same top-k, best
+    score and EarlyStopping state, at the same step, stopped early by EarlyStopping; `sync_dist` values
+    are the same on every group. Two steps per epoch, and the restart is started ahead (its imports done
+    while the others train, --go), so a busy 2-core machine spends its time on the run, not on imports."""
     from ft_core.control.lighthouse import LighthouseServer
 
     with LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=1_000, heartbeat_timeout_ms=2_000,
                           http_bind=None) as lighthouse:
         address = lighthouse.address()
-        # groups 1 and 2 start training once group 0 does (it is rank zero from step 0), and wait at
-        # epoch 2's start for its restart (so it heals before the early stop)
+        # group 0 starts training once groups 1 and 2 have their Managers up, they start once group 0 does
+        # (it is rank zero from step 0), and they wait at epoch 2's start for its restart (so it heals before
+        # the early stop)
         wait = ("--wait-start", "started_g0_r0", "--wait-for", "started_g0_r1", "--wait-epoch", "2")
-        others = [start(processes, address, tmp_path, g, *wait) for g in (1, 2)]
-        victim = start(processes, address, tmp_path, 0, "--kill-at-step", "5")
+        data = ("--samples", "24")  # 8 samples per group: 2 steps per epoch
+        others = [start(processes, address, tmp_path, g, *data, *wait) for g in (1, 2)]
+        victim = start(processes, address, tmp_path, 0, *data, "--kill-at-step", "3", "--wait-ready", "1,2")
+        restarted = start(processes, address, tmp_path, 0, *data, "--go", "go_g0_r1", restart=1)
         assert victim.wait(timeout=80) == -9, logs(tmp_path)
-        restarted = start(processes, address, tmp_path, 0, restart=1)
+        (tmp_path / "go_g0_r1").touch()
         for proc in (*others, restarted):
             assert proc.wait(timeout=90) == 0, logs(tmp_path)
     check_run(tmp_path)
@@ -98,17 +97,7 @@ def check_run(tmp_path: Path) -> None:
     assert torch.load(summaries[1]["best_model_path"], weights_only=False)["global_step"] > 0
 
     # each logged step's learning rate is written by one group only (the rank zero of that step)
-    steps_by_group: dict[int, list[int]] = defaultdict(list)
-    for s in summaries.values():
-        metrics = os.path.join(s["log_dir"], "metrics.csv")  # none where the group was never rank zero
-        if os.path.exists(metrics):
-            with open(metrics) as f:
-                steps_by_group[_group_of(s["log_dir"])] += [
-                    int(row["step"]) for row in csv.DictReader(f) if row.get("lr-SGD")]
-    seen: dict[int, int] = {}
-    for group, steps in steps_by_group.items():
-        for step in steps:
-            assert seen.setdefault(step, group) == group, f"step {step} logged by groups {seen[step]} and {group}"
+    steps_by_group = lr_steps_by_group(summaries)
     assert len({g for g, steps in steps_by_group.items() if steps}) >= 2, steps_by_group
 
 
@@ -207,10 +196,3 @@ def test_healed_model_checkpoint_state_moves_into_the_own_directory(tmp_path):
 def BASE_MEAN(epoch: int) -> float:
     base = [5.0, 4.0, 3.0, 3.5, 4.0, 4.5, 5.0, 5.5]
     return base[epoch] + sum(0.01 * (g - 1) for g in range(GROUPS)) / GROUPS
-
-
-def _group_of(log_dir: str) -> int:
-    for part in Path(log_dir).parts:
-        if part.startswith("replica_group_"):
-            return int(part.rsplit("_", 1)[1])
-    raise AssertionError(log_dir)

@@ -1,4 +1,4 @@
-"""`broadcast` and `barrier` over the live replica groups (FaultTolerantDDPStrategy(rank_zero="quorum")):
+"""`broadcast` and `barrier` over the live replica groups (the strategy's default rank_zero="quorum"):
 the checked, bounded cross-group mechanism on real Gloo groups, a barrier whose peer is a real process
 that hangs or is SIGKILLed, and real Trainer processes whose LightningModule broadcasts a per-group value
 at every validation. The Trainer process is tests/_lightning_collectives_worker.py."""
@@ -194,13 +194,13 @@ def _run_trainers(processes, tmp_path: Path, groups: int, *args: str) -> list[di
 
 @pytest.mark.timeout(110)
 def test_trainer_broadcast_and_barrier_span_the_live_groups_at_validation(processes, tmp_path):
-    """3 Trainer groups, rank_zero="quorum": at every validation each group broadcasts its own path and
+    """3 Trainer groups, the default rank_zero="quorum": at every validation each group broadcasts its own path and
     group id (in on_validation_epoch_end) and all end with rank zero's (group 0's), while a tuple stays
     each group's own; a barrier there and ModelCheckpoint's `Trainer.save_checkpoint` barriers are made
     across the groups with no fallback; a torchmetrics Metric logged from training_step sums every
     group's samples at the epoch's end while a validation Metric stays the group's own; the checkpoint
     named by the broadcast value (`tag`) is one file, named the same on every group."""
-    rows = _run_trainers(processes, tmp_path, 3, "--rank-zero", "quorum")
+    rows = _run_trainers(processes, tmp_path, 3)
     for r in (r for r in rows if r["kind"] == "val"):
         assert r["broadcast"] == {"group": 0, "path": str(tmp_path / "replica_group_0" / "artifact.txt")}, r
         assert r["barrier_fallbacks"] == 0 and r["barrier_crossed"] == 1, r
@@ -213,10 +213,10 @@ def test_trainer_broadcast_and_barrier_span_the_live_groups_at_validation(proces
 
 @pytest.mark.timeout(110)
 def test_trainer_broadcast_and_barrier_stay_in_the_group_with_rank_zero_group(processes, tmp_path):
-    """2 Trainer groups, the default rank_zero="group": each group is its own rank zero, so its broadcast
+    """2 Trainer groups, the opt-out rank_zero="group": each group is its own rank zero, so its broadcast
     is its own value (its own path) and its barrier stays in the group; torchmetrics still sync across
     the groups at the epoch's end; each group's checkpoint is in its own folder, named by its own id."""
-    rows = _run_trainers(processes, tmp_path, 2)
+    rows = _run_trainers(processes, tmp_path, 2, "--rank-zero", "group")
     for r in (r for r in rows if r["kind"] == "val"):
         g = r["group"]
         assert r["broadcast"] == {"group": g, "path": str(tmp_path / f"replica_group_{g}" / "artifact.txt")}, r

@@ -1,6 +1,7 @@
 """Lightning behaviour a DDP user expects, with real replica groups (processes on loopback):
-`fit(ckpt_path="last")` resumes from the group's own folder, a restarted group continues its
-checkpoint and log folders, and a group that heals into a later epoch gets its epoch-start hooks."""
+`fit(ckpt_path="last")` resumes from the job's checkpoint folder (`<default_root_dir>/checkpoints`, shared
+by the groups under the default rank_zero="quorum"), a restarted group continues its checkpoint and its own
+log folder, and a group that heals into a later epoch gets its epoch-start hooks."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def output(tmp_path, name: str) -> str:
 
 
 @pytest.mark.timeout(120)
-def test_restart_resumes_from_last_in_its_group_folder_and_continues_the_run(processes, tmp_path):
+def test_restart_resumes_from_last_in_the_job_checkpoint_folder_and_continues_the_run(processes, tmp_path):
     with LighthouseServer(min_replicas=1, join_timeout_ms=500) as lighthouse:
         first, _ = start(processes, tmp_path, lighthouse.address(), 0, 1, "first", "--kill-at-step", "9")
         assert first.wait(timeout=90) == -9, output(tmp_path, "first")[-3000:]
@@ -44,12 +45,13 @@ def test_restart_resumes_from_last_in_its_group_folder_and_continues_the_run(pro
         assert second.wait(timeout=90) == 0, output(tmp_path, "second")[-3000:]
     group = os.path.join(str(tmp_path), "replica_group_0")
     resumed = read_jsonl(events)
-    # ckpt_path="last" found replica_group_0/.../last.ckpt: training went on from step 8 (saved every 2
+    # ckpt_path="last" found checkpoints/last.ckpt: training went on from step 8 (saved every 2
     # steps; the first batch after it ends at step 9), the Manager's step with it
     assert resumed[0] == {"kind": "train_start", "step": 8, "manager_step": 8}, resumed[:3]
     assert resumed[1] == {"kind": "batch", "epoch": 1, "step": 9}, resumed[:3]
     assert "there is no last checkpoint" not in output(tmp_path, "second")
-    ckpts = sorted(os.path.basename(p) for p in glob.glob(os.path.join(group, "**", "*.ckpt"), recursive=True))
+    assert not glob.glob(os.path.join(group, "**", "*.ckpt"), recursive=True)  # none in the group's own folder
+    ckpts = sorted(os.path.basename(p) for p in glob.glob(os.path.join(str(tmp_path), "checkpoints", "*.ckpt")))
     assert not [c for c in ckpts if "-v" in c], ckpts  # no last-v1.ckpt: the run's own last.ckpt was updated
     assert len([c for c in ckpts if c != "last.ckpt"]) == 2, ckpts  # save_top_k=2 holds across the restart
     versions = sorted(os.path.basename(p) for p in glob.glob(os.path.join(group, "lightning_logs", "version_*")))
@@ -73,7 +75,10 @@ def test_a_group_healing_into_a_later_epoch_gets_its_epoch_start_hooks(processes
         while not any(r["kind"] == "epoch_start" and r["epoch"] >= 2 for r in read_jsonl(early_events)):
             assert time.monotonic() < deadline and early.poll() is None, output(tmp_path, "early")[-3000:]
             time.sleep(0.1)
-        late, late_events = start(processes, tmp_path, lighthouse.address(), 1, 2, "late", "--epochs", "6")
+        # a new group with no checkpoint to start from (not the early group's: it would resume mid-epoch, where
+        # Lightning runs no epoch-start hook)
+        late, late_events = start(processes, tmp_path, lighthouse.address(), 1, 2, "late", "--epochs", "6",
+                                  "--no-resume")
         deadline = time.monotonic() + 90
         while not any(m["waiting"] and not m["in_quorum"] for m in lighthouse.core.status()["members"]):  # the late one
             assert time.monotonic() < deadline and late.poll() is None, output(tmp_path, "late")[-3000:]

@@ -178,6 +178,33 @@ def test_forget_unscale_lets_a_skipped_step_unscale_again():
     assert scaler.get_scale() == 256.0
 
 
+@pytest.mark.parametrize("rank_zero, per_group, dirpath, checkpoints, root", [
+    # the default: one checkpoint folder for the job (not the logger's per-group version folder)
+    ("quorum", True, None, "checkpoints", "replica_group_1"),
+    ("quorum", True, "ck", "ck", "replica_group_1"),  # an explicit dirpath stays shared
+    ("quorum", False, None, "checkpoints", ""),  # per_group_dirs=False: the checkpoints still shared
+    # the opt-out: everything per group (no dirpath: Lightning's default under the group's logger)
+    ("group", True, "ck", "ck/replica_group_1", "replica_group_1"),
+    ("group", True, None, None, "replica_group_1"),
+])
+def test_checkpoint_and_log_folders_of_each_rank_zero_mode(tmp_path, rank_zero, per_group, dirpath, checkpoints,
+                                                            root):
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+
+    from ft_lightning._dirs import apply_dirs
+
+    base = os.path.realpath(tmp_path)
+    callback = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(base, dirpath) if dirpath else None)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, default_root_dir=base, logger=CSVLogger(base),
+                         callbacks=[callback], enable_progress_bar=False, enable_model_summary=False)
+    for _ in range(2):  # idempotent: applied before ckpt_path="last" is resolved, and again at set-up
+        apply_dirs(trainer, "replica_group_1", per_group=per_group, shared_checkpoints=rank_zero == "quorum")
+    assert callback.dirpath == (os.path.join(base, checkpoints) if checkpoints else None)
+    assert trainer.default_root_dir == os.path.normpath(os.path.join(base, root))
+    assert trainer.logger.save_dir == os.path.normpath(os.path.join(base, root))  # logs: per group
+
+
 # ---- real Trainer processes ------------------------------------------------------------------------
 
 @pytest.fixture
@@ -244,10 +271,11 @@ def assert_identical_weights(out: Path, expected: int) -> None:
 def test_accumulation_failed_step_kill_resume_and_heal(processes, lighthouse, tmp_path):
     """2 groups x 1 device, accumulate_grad_batches=4, 2 epochs of 4 optimizer steps, checkpoints every
     2 steps. Group 1 fails to commit step 2 (nothing changes there; it heals at the next step), then
-    is SIGKILLed mid-epoch after step 5 and restarted: it resumes from its own checkpoint (step 4,
-    the Manager's step too), heals to the survivor's step and continues at the same epoch, batch
-    and data. Both end identical, with global_step == committed steps; one quorum and one
-    cross-group allreduce per optimizer step."""
+    is SIGKILLed mid-epoch after step 5 and restarted with `ckpt_path="last"`: it resumes from the job's
+    checkpoint (step 4, the Manager's step too), written by group 0 (rank zero) into the one folder the
+    groups share, heals to the survivor's step and continues at the same epoch, batch and data. Both end
+    identical, with global_step == committed steps; one quorum and one cross-group allreduce per
+    optimizer step."""
     args = ("--accumulate", "4", "--epochs", "2", "--samples", "128", "--checkpoint")
     survivor = start_group(processes, lighthouse, tmp_path, 0, *args)
     victim = start_group(processes, lighthouse, tmp_path, 1, *args, "--fail-at-step", "1", "--kill-at-step", "5")
@@ -288,9 +316,43 @@ def test_accumulation_failed_step_kill_resume_and_heal(processes, lighthouse, tm
     assert position == [(p["global_step"], p["epoch"], p["batch_idx"]) for p in progress(0)][-len(position):]
     for p in restarted_steps[1:]:  # after the healing step it reads its shard's batches of that epoch
         assert p["batch_sum"] == pytest.approx(expected_batch_sum(1, p["epoch"], p["batch_idx"]), abs=1e-4), p
-    for group in (0, 1):  # checkpoints per group, no collisions; they carry the Manager's step
-        saved = torch.load(tmp_path / "ckpts" / f"replica_group_{group}" / "last.ckpt", weights_only=False)
-        assert saved["ft_manager"]["step"] == saved["global_step"] == steps
+    # one checkpoint folder for the job (no per-group copies); the files carry the Manager's step
+    assert not list((tmp_path / "ckpts").glob("replica_group_*")), sorted(os.listdir(tmp_path / "ckpts"))
+    saved = torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=False)
+    assert saved["ft_manager"]["step"] == saved["global_step"] == steps
+
+
+@pytest.mark.timeout(110)
+def test_a_group_restarted_on_a_machine_without_the_checkpoints_heals_from_a_live_peer(processes, lighthouse,
+                                                                                       tmp_path):
+    """Groups on two machines without a shared filesystem: group 1's checkpoint folder is on its own disk
+    (--machine-dir), and group 0 is rank zero at every step, so every checkpoint is on group 0's. Group 1 is
+    SIGKILLed after step 3 and restarted with ckpt_path="last": it finds no checkpoint on its disk, says so in
+    a warning naming the folder and the shared-filesystem fix (no crash), starts without one and heals from
+    group 0; both end identical."""
+    machine = tmp_path / "machine_1"
+    args = ("--epochs", "2", "--samples", "32", "--checkpoint")
+    survivor = start_group(processes, lighthouse, tmp_path, 0, *args)
+    victim = start_group(processes, lighthouse, tmp_path, 1, *args, "--machine-dir", str(machine), "--kill-at-step", "3")
+    assert victim.wait(timeout=90) == -9, logs(tmp_path)
+    restarted = start_group(processes, lighthouse, tmp_path, 1, *args, "--machine-dir", str(machine))
+    wait_all([survivor, restarted], tmp_path, timeout=90)
+
+    runs = summaries(tmp_path)
+    assert set(runs) == {(0, 0), (1, 0)}
+    assert_identical_weights(tmp_path, 2)
+    steps = 2 * (32 // 2 // 4)  # epochs * batches per group per epoch = 8
+    for run in runs.values():
+        assert run["global_step"] == run["manager_step"] == steps, run
+    assert runs[(1, 0)]["resumed_manager_step"] == 0 and runs[(1, 0)]["events"]["heal"] == 1, runs[(1, 0)]
+    lines = [line for line in (tmp_path / "group1.log").read_text().splitlines()
+             if 'fit(ckpt_path="last") found no checkpoint in' in line]
+    assert len(lines) == 2, logs(tmp_path)  # its first start and its restart, one line each
+    for line in lines:
+        assert line.startswith("WARNING") and str(machine / "ckpts") in line and "on a filesystem they share" in line \
+            and "heals from a live replica group" in line, line
+    assert not list(machine.rglob("*.ckpt"))  # never rank zero: nothing on its disk
+    assert torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=False)["ft_manager"]["step"] == steps
 
 
 @pytest.mark.timeout(150)
