@@ -44,6 +44,7 @@ def main() -> int:
     p.add_argument("--gate", default=None, help="while this file exists, steps from --gate-epoch on are slow")
     p.add_argument("--gate-epoch", type=int, default=0)
     p.add_argument("--hold", default=None, help="wait (started and imported) until this file is gone, then join")
+    p.add_argument("--sync-quorum", action="store_true", help="use_async_quorum=False: the quorum before the forward")
     args = p.parse_args()
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
@@ -65,7 +66,8 @@ def main() -> int:
                       load_state_dict=lambda s: (model.load_state_dict(s["model"]), inner.load_state_dict(s["optim"])),
                       state_dict=lambda: {"model": model.state_dict(), "optim": inner.state_dict()},
                       timeout=timedelta(seconds=5), quorum_timeout=timedelta(seconds=60),
-                      replica_id=f"group{group}", rank=rank, world_size=world)
+                      replica_id=f"group{group}", rank=rank, world_size=world,
+                      use_async_quorum=not args.sync_quorum)
     ddp = DistributedDataParallel(manager, model)
     optimizer = OptimizerWrapper(manager, inner)
     dataset = Indexed(args.size)

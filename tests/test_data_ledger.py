@@ -331,6 +331,7 @@ def _drive(gs: list[LedgerGroup], rng: random.Random, kills: int, timeout: float
     # the same promise with fewer kills and epochs in the default tier (each costs a minute or more on 2 cores)
     ("num_workers=2", 3, 4, ["--step-sleep", "0.1", "--workers", "2"], 1),
     ("2 ranks per group", 3, 4, ["--step-sleep", "0.25"], 2),
+    ("sync quorum", 3, 4, ["--step-sleep", "0.1", "--sync-quorum"], 1),
     # the acceptance counts (issue 16: at least 10 kills in each configuration), FT_RUN_SLOW=1
     pytest.param("num_workers=2, 10 kills", 10, 8, ["--step-sleep", "0.1", "--workers", "2"], 1,
                  marks=pytest.mark.slow),
