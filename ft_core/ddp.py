@@ -65,7 +65,8 @@ def canonical_chunks(params: list[torch.Tensor], first_cap_bytes: int, cap_bytes
 
 
 class _Chunk:
-    __slots__ = ("params", "offsets", "numel", "buffer", "filled", "launched", "fast", "waiters")
+    __slots__ = ("params", "offsets", "numel", "buffer", "filled", "launched", "fast", "waiters", "delivered",
+                 "finished")
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.params = params
@@ -80,6 +81,8 @@ class _Chunk:
         self.launched = False
         self.fast: torch.Tensor | None = None  # the DDP bucket buffer reduced in place, when layouts match
         self.waiters: list[tuple["_BucketState", list[tuple[torch.Tensor, int, int]]]] = []
+        self.delivered: list[tuple[torch.Tensor, int, int]] = []  # bucket views filled from it this step
+        self.finished = False  # its reduction was delivered this step
 
 
 class _BucketState:
@@ -130,6 +133,8 @@ class _CanonicalReducer:
                 chunk.launched = False
                 chunk.fast = None
                 chunk.waiters = []
+                chunk.delivered = []
+                chunk.finished = False
             self._next = 0
 
     def add_bucket(self, buffer: torch.Tensor, params: list[torch.Tensor],
@@ -190,7 +195,12 @@ class _CanonicalReducer:
                     else None)
 
     def _restore_input(self, chunk: _Chunk, tensor: torch.Tensor) -> bool:
-        """A failed reduction of `tensor`: refill it with the chunk's local gradients (before DDP's finalize)."""
+        """Refill `tensor` with the chunk's local gradients, to reduce it again (ft_core.redo). Only while the
+        chunk is not delivered: DDP's finalize copies a bucket's results into .grad once its future is done,
+        so until then .grad holds this rank's own gradients."""
+        with self._lock:
+            if chunk.finished:
+                return False
         for p in chunk.params:
             if p.grad is None:
                 return False
@@ -199,7 +209,12 @@ class _CanonicalReducer:
         return True
 
     def _rewrite_grads(self, chunk: _Chunk, tensor: torch.Tensor) -> None:
-        """After a redo reduced `tensor` (the chunk's flat gradients) again: copy it into the gradients."""
+        """After a redo reduced `tensor` (the chunk's flat gradients) again: copy it into the bucket views
+        already filled from it (DDP's finalize copies those into .grad) and into the gradients."""
+        with self._lock:
+            delivered = list(chunk.delivered)
+        for grad, offset, numel in delivered:
+            grad.copy_(tensor[offset:offset + numel].view_as(grad))
         for p in chunk.params:
             if p.grad is not None:
                 offset = chunk.offsets[id(p)]
@@ -208,6 +223,9 @@ class _CanonicalReducer:
     def _finish(self, chunk: _Chunk) -> None:
         with self._lock:
             waiters, chunk.waiters = chunk.waiters, []
+            chunk.finished = True
+            if chunk.fast is None:
+                chunk.delivered.extend(v for _state, views in waiters for v in views)
         done = []
         for state, views in waiters:
             if chunk.fast is None:

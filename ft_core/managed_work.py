@@ -1,7 +1,9 @@
 """Work returned by `Manager.allreduce`: never raises into the loop, continuations run at wait().
 
 The collective itself completes eagerly (its future is chained on the backend's completion
-thread and never fails: errors were already recorded with the Manager). User continuations
+thread and never fails: errors were already recorded with the Manager). When the step lost a peer
+and is redone at the wait (ft_core.redo), that future completes only after the redo, with the
+redone value, so `wait()` and every continuation see the survivors' result. User continuations
 added through `get_future().then(...)` are stored and run lazily in `wait()`, on the stream
 that issued the work, so the CPU never blocks on them.
 

@@ -96,7 +96,7 @@ class Manager:
         self._voted = False  # this step's should_commit() has run: no reduction may follow
         self._group_healed = False  # every rank of the group loaded this step's heal (from the vote)
         self._reductions = 0  # cross-group reductions issued this step (fail-closed check)
-        self._redo = redo.ReductionLog(redo.resolve(redo_step, redo_copy))  # to redo a step that lost a peer
+        self._redo = redo.ReductionLog(redo.resolve(redo_step, redo_copy, cfg.group_world_size))  # ft_core.redo
         self._group_redoable = False  # every rank of the group can redo this step (from the vote)
         self._buffer_sources: dict[int, Callable[[], list[torch.Tensor]]] = {}
         self._round: rules.QuorumActions | None = None  # this step's role, from the quorum
@@ -197,8 +197,7 @@ class Manager:
     def report_error(self, e: Exception, peer_lost: bool = False) -> None:
         """Record an error for this step: the step will not commit (unless `peer_lost` and the step is
         redone without the peer, ft_core.redo). Never raises."""
-        if not peer_lost:
-            self._redo.other_errors = True
+        self._redo.other_errors |= not peer_lost
         with self._error_lock:
             first = self._errored is None
             if first:
@@ -371,7 +370,7 @@ class Manager:
                               f"see it fail, so groups could apply different updates. Start the next step first "
                               f"(manager.start_quorum() or OptimizerWrapper.zero_grad()), one vote per optimizer step")
         self._reductions += 1
-        return self._reduce(tensor, reduce_op, self._redo.record(tensor, reduce_op, self._pg_broken))
+        return redo.issue(self, tensor, reduce_op)  # at the wait: done after a redo, if the step lost a peer
 
     def on_redo(self, tensor: torch.Tensor, write: Callable[[], None],
                 restore: Callable[[], bool] | None = None) -> None:
@@ -380,12 +379,13 @@ class Manager:
         input back into `tensor` if the reduction fails (True when it could), so it can be redone."""
         self._redo.on_redo(tensor, write, restore)
 
-    def _reduce(self, tensor: torch.Tensor, reduce_op: ReduceOp, rec: redo.Reduction | None = None
-                ) -> torch.futures.Future:
-        """The collective as an eager torch Future that never fails (value: `tensor`); `rec` learns
-        whether the input was sent (or overwritten), which decides whether it can be redone."""
+    def _reduce(self, tensor: torch.Tensor, reduce_op: ReduceOp, rec: redo.Reduction | None = None,
+                wait: bool = True) -> torch.futures.Future:
+        """The collective as an eager torch Future that never fails (value: `tensor`); `rec` learns whether the
+        input was sent, which decides whether it can be redone. wait=False: the quorum is done (ft_core.redo)."""
         try:
-            self.wait_quorum()
+            if wait:
+                self.wait_quorum()
             if self._pg_broken:
                 return ft_futures.completed_future(tensor)
             n = self._round.num_participants if self._round is not None else 0
@@ -427,7 +427,7 @@ class Manager:
     def should_commit(self, timeout: timedelta | float | None = None) -> bool:
         """Load a pending healed state, then vote group-wide; True => run the optimizer step. A step that
         lost a peer is redone without it first when every rank of the group can (ft_core.redo)."""
-        self.wait_quorum()
+        redo.settle(self, self._quorum_timeout_s + 3 * self.config.timeout.total_seconds() + _MARGIN_S)
         wait = timeout if timeout is not None else self.config.timeout
         local, unreduced, heal_loaded = self._prepare_vote()
         decision = self._vote(local, wait)

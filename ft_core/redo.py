@@ -2,32 +2,41 @@
 
 When a replica group dies during a step (SIGKILL, a host lost), every survivor's collectives of
 that step fail or are skipped (the lighthouse pushes the loss, ft_core.manager breaks the process
-group). Without redo, the step does not commit anywhere. With redo, at `should_commit` each rank
-tells the group's commit barrier whether it can redo (`step_rules.can_redo`); when every rank can,
-the group forms the quorum again for the same step (shrink only: survivors of the old quorum),
-rebuilds its process group, and, if every member is a survivor redoing the same step
-(`step_rules.redo_role`), re-issues this step's recorded cross-group reductions in their original
-order from the inputs it still holds; then it syncs buffers and votes as usual. One redo per step.
+group). Without redo, the step does not commit anywhere. With redo the survivors form the quorum
+again for the same step (shrink only: survivors of the old quorum), rebuild the process group and,
+if every member is a survivor redoing the same step (`step_rules.redo_role`), re-issue this step's
+cross-group reductions in their original order from the inputs they still hold. One redo per step.
+
+Where (`resolve`):
+- at the wait (groups of one rank; the default): `issue` hands the loop (and DDP) a future that
+  completes only once the value is final. A reduction that fails, or is skipped, because a peer was
+  lost starts the redo on the Manager's quorum thread (`_redo_at_wait`); every reduction waiting on it
+  is delivered after the replay, with the redone value, so what the loop reads before the vote is
+  the survivors' value. should_commit() waits for it (`settle`) and votes as usual.
+- at the vote (groups of several ranks, only with FT_REDO_STEP=1): each rank tells the group's commit
+  barrier whether it can redo (`step_rules.can_redo`); when every rank can, the group redoes inside
+  should_commit() (`redo_step`), after the loop read the failed values (docs/guarantees.md).
 
 What can be redone (the copy policy):
-- default (`FT_REDO_STEP=1`, `FT_REDO_COPY=0`), at no cost on the healthy path: a reduction that was
-  never handed to a collective (the group was already broken when it was issued) still holds its
-  input; one that was sent and failed is rebuilt when its integration can (`restore`: ft_core.ddp
-  refills a failed chunk from the parameters' .grad, which DDP overwrites only at the end of the
-  backward pass; for a group of one rank and DDP's default gradient_as_bucket_view=False). A step is
-  redoable when all its reductions are of these kinds: a peer killed during the forward pass or
-  mid-reduction. Not redone in this mode: a reduction that completed with the dead peer before the
-  loss arrived (the loss came after the last one but before the vote), a failed one that nothing can
-  rebuild (a user `manager.allreduce`, a multi-rank group's intra-group averaged bucket), a timeout.
-- `FT_REDO_COPY=1`: every reduction's input is copied before it is sent, so a step that lost a peer
-  mid-reduction is redoable too. Memory bound: one extra copy of everything reduced across groups
-  in one step (the gradients: the model's trainable parameter bytes, per rank), in buffers reused
-  every step; cost: one memcpy of the gradients per healthy step.
+- default (`FT_REDO_COPY=0`), at no cost on the healthy path: a reduction that was never handed to a
+  collective (the group was already broken when it was issued) still holds its input; one that was
+  sent and failed is rebuilt when its integration can (`restore`: ft_core.ddp refills a chunk not yet
+  delivered from the parameters' .grad, which DDP overwrites only once that bucket's future is done;
+  for a group of one rank and DDP's default gradient_as_bucket_view=False): a peer killed during the
+  forward pass or mid-reduction. Not redone in this mode: a reduction that completed with the dead
+  peer before another failed, a failed one that nothing can rebuild (a user `manager.allreduce`), a
+  timeout.
+- `FT_REDO_COPY=1`: every reduction's input is copied before it is sent, so those are redoable too.
+  Memory bound: one extra copy of everything reduced across groups in one step (the gradients: the
+  model's trainable parameter bytes, per rank), in buffers reused every step; cost: one memcpy of the
+  gradients per healthy step.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -35,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch.distributed import ReduceOp
 
+from ft_core import futures as ft_futures
 from ft_core import settings
 from ft_core import step_rules as rules
 from ft_core.errors import FTError
@@ -42,24 +52,44 @@ from ft_core.errors import FTError
 if TYPE_CHECKING:
     from ft_core.manager import Manager
 
-__all__ = ["Reduction", "ReductionLog", "RedoConfig", "on_peer_lost", "pg_error", "redo_step", "resolve",
-           "restore_input"]
+__all__ = ["Reduction", "ReductionLog", "RedoConfig", "WaitState", "issue", "on_peer_lost", "pg_error", "redo_step",
+           "resolve", "restore_input", "settle"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class RedoConfig:
-    """Whether a step that lost a peer is redone, and whether inputs are copied to make it always possible."""
+    """Where a step that lost a peer is redone, and whether inputs are copied to make it always possible.
+    at_wait: a group of one rank redoes at the wait of the failed reduction (the default); at_vote: a
+    group of several ranks redoes at the vote (only with FT_REDO_STEP=1 set explicitly)."""
 
-    enabled: bool = True
+    at_wait: bool = True
+    at_vote: bool = False
     copy: bool = False
 
+    @property
+    def enabled(self) -> bool:
+        return self.at_wait or self.at_vote
 
-def resolve(redo_step: bool | None, redo_copy: bool | None) -> RedoConfig:
-    """Arguments, then FT_REDO_STEP / FT_REDO_COPY (ft_core.settings)."""
-    return RedoConfig(enabled=bool(settings.value("FT_REDO_STEP", redo_step)),
+
+def resolve(redo_step: bool | None, redo_copy: bool | None, group_world_size: int = 1) -> RedoConfig:
+    """Arguments, then FT_REDO_STEP / FT_REDO_COPY (ft_core.settings). Unset: on for a group of one rank
+    (at the wait), off for a group of several (its ranks would have to agree at the wait); 1: on for
+    both (several ranks: at the vote); 0: off."""
+    chosen = settings.value("FT_REDO_STEP", redo_step)
+    return RedoConfig(at_wait=chosen is not False and group_world_size == 1,
+                      at_vote=chosen is True and group_world_size > 1,
                       copy=bool(settings.value("FT_REDO_COPY", redo_copy)))
+
+
+class WaitState(enum.Enum):
+    """Where this step's redo at the wait stands (groups of one rank)."""
+
+    IDLE = "idle"  # nothing failed yet: reductions are issued and delivered as they complete
+    PENDING = "pending"  # a redo runs on the quorum thread: new reductions wait for it to issue them in order
+    REPLAYED = "replayed"  # the redo issued every reduction so far; later ones are issued directly
+    FAILED = "failed"  # the redo could not run or failed: the step fails as without redo
 
 
 @dataclass
@@ -72,6 +102,10 @@ class Reduction:
     intact: bool = True  # never handed to a collective or filled: `tensor` still holds the input
     writers: list[Callable[[], None]] = field(default_factory=list)  # run after a redo reduced it again
     restore: Callable[[], bool] | None = None  # puts the input back into `tensor` after a failed send
+    out: torch.futures.Future | None = None  # at the wait: what the loop waits on, done after any redo
+    first: torch.futures.Future | None = None  # at the wait: the first attempt (None: the redo issued it)
+    replayed: bool = False  # at the wait: the redo issues it, and delivers `out`
+    delivered: bool = False
 
     @property
     def recoverable(self) -> bool:
@@ -88,6 +122,9 @@ class ReductionLog:
         self.other_errors = False  # an error that is not a lost peer or failed collective was recorded
         self.allow_heal = True
         self.quorum_ids: tuple[str, ...] = ()  # the replica ids of this step's quorum
+        self.lost: set[str] = set()  # replica ids the lighthouse said were lost during this step
+        self.state = WaitState.IDLE
+        self.lock = threading.RLock()  # at the wait: records, state and deliveries
         self._pool: list[torch.Tensor] = []  # copy mode: the step's input copies, reused every step
 
     def reset(self, allow_heal: bool) -> None:
@@ -95,6 +132,8 @@ class ReductionLog:
         self.redone = False
         self.other_errors = False
         self.allow_heal = allow_heal
+        self.state = WaitState.IDLE
+        self.lost = set()
 
     def record(self, tensor: torch.Tensor, op: ReduceOp, broken: bool) -> Reduction | None:
         """A reduction being issued (None when redo is off). A copy is kept only when it will be sent."""
@@ -129,11 +168,205 @@ class ReductionLog:
                 return
 
     def redoable(self, errored: bool, participating: bool) -> bool:
-        """This rank's `redoable` bit for the commit barrier (step_rules.can_redo)."""
-        return rules.can_redo(enabled=self.config.enabled, redone=self.redone, errored=errored,
+        """This rank's `redoable` bit for the commit barrier (step_rules.can_redo): only for a group that
+        redoes at the vote (several ranks, FT_REDO_STEP=1); a group of one rank redoes at the wait."""
+        return rules.can_redo(enabled=self.config.at_vote, redone=self.redone, errored=errored,
                               peer_errors_only=not self.other_errors,
                               recoverable=errored and all(r.recoverable for r in self.records),
                               participating=participating)
+
+
+# ---- redo at the wait (groups of one rank) -----------------------------------------------------------
+
+def issue(m: "Manager", tensor: torch.Tensor, op: ReduceOp) -> torch.futures.Future:
+    """Issue one of this step's cross-group reductions. At the wait, the future returned completes once
+    the value is final: if the step lost a peer, after the redo reduced it again without the peer."""
+    log = m._redo
+    if not log.config.at_wait:
+        return m._reduce(tensor, op, log.record(tensor, op, m._pg_broken))
+    try:
+        m.wait_quorum()
+        ready = True
+    except Exception:  # _reduce below records it; a failed quorum is no lost peer: nothing to redo
+        ready = False
+        log.other_errors = True
+    with log.lock:
+        rec = log.record(tensor, op, m._pg_broken)
+        assert rec is not None
+        rec.out = ft_futures.device_future(ft_futures.devices_of(tensor))
+        if log.state is WaitState.PENDING:  # the redo issues it after the ones before it
+            return rec.out
+        rec.first = first = m._reduce(tensor, op, rec, wait=not ready)  # issues, never blocks
+        first.add_done_callback(lambda _f, rec=rec: _first_done(m, rec))
+    return rec.out
+
+
+def _eligible(m: "Manager") -> bool:
+    """The step lost a peer (only that), this rank took part with its own inputs, and no redo ran yet."""
+    log = m._redo
+    return log.state is WaitState.IDLE and not log.redone and m._errored is not None and not log.other_errors \
+        and m.is_participating()
+
+
+def _first_done(m: "Manager", rec: Reduction) -> None:
+    """A first attempt settled: deliver it, or start the redo and leave the delivery to it."""
+    log = m._redo
+    with log.lock:
+        if rec.delivered or rec.replayed or log.state is WaitState.PENDING:
+            return
+        if _eligible(m):
+            _start(m)
+            return
+        rec.delivered = True
+    _deliver(rec)
+
+
+def _deliver(rec: Reduction) -> None:
+    """Complete what the loop waits on; CUDA: ordered after the collective and its division (a replay's
+    were waited on by the thread that delivers)."""
+    assert rec.out is not None
+    if rec.first is not None and not rec.replayed:
+        rec.first.wait()  # done: orders the current stream after it
+    ft_futures._finish(rec.out, rec.tensor)
+
+
+def _start(m: "Manager") -> None:
+    """Start the redo on the quorum thread (lock held); wait_quorum() and should_commit() wait for it."""
+    log = m._redo
+    log.state, log.redone = WaitState.PENDING, True
+    try:
+        job = m._executor.submit(_redo_at_wait, m)
+    except RuntimeError:  # shut down: the step fails
+        _fail(m, "the manager is shutting down")
+        return
+    m._quorum_future = job
+    job.add_done_callback(lambda _j: _fail(m, "the redo did not run") if log.state is WaitState.PENDING else None)
+
+
+def _fail(m: "Manager", why: str) -> None:
+    """The redo cannot run or failed: every reduction still waiting gets its tensor as it is; the step
+    fails as without redo."""
+    log = m._redo
+    with log.lock:
+        if log.state is not WaitState.IDLE:
+            log.state = WaitState.FAILED
+        # a first attempt still in flight is delivered by its own callback (the state is no longer IDLE)
+        waiting = [r for r in log.records if not r.delivered and (r.replayed or r.first is None or r.first.done())]
+        for r in waiting:
+            r.delivered = True
+    if m._errored is None:
+        m.report_error(FTError(f"{m._prefix()} redo of the step failed ({why}); the step fails"))
+    with m._error_lock:  # abort also a group the redo rebuilt: its peers may wait on collectives we skip
+        m._pg_broken = False
+    m._break_pg()  # and skip the step's remaining collectives
+    for r in waiting:
+        _deliver(r)
+    logger.info("%s redo at the wait failed: %s", m._prefix(), why)
+
+
+def _redo_at_wait(m: "Manager") -> None:
+    """On the quorum thread: the redo; whatever happens, every reduction is delivered and nothing raises
+    into wait_quorum()."""
+    try:
+        _replay_at_wait(m)
+    except Exception as exc:  # a writer, a restore, a bug: the step fails, the loop goes on
+        m.report_error(exc)
+        _fail(m, f"{type(exc).__name__}: {exc}")
+
+
+def _replay_at_wait(m: "Manager") -> None:
+    """Wait for the step's first attempts to settle, form the quorum again for the same step, rebuild
+    the process group, re-issue every reduction so far in their original order, then deliver them."""
+    log = m._redo
+    started = time.perf_counter()
+    with log.lock:
+        firsts = [r.first for r in log.records if r.first is not None]
+    for first in firsts:
+        first.wait()  # settled futures never fail; bounded by the collective timeout (the group was aborted)
+    with log.lock:
+        for rec in log.records:  # a completed one too, if its integration still can (ft_core.ddp: not delivered)
+            if not rec.intact and rec.saved is None and rec.restore is not None:
+                _restore(rec)
+        recoverable = all(r.recoverable for r in log.records)
+    enough = rules.survivors_can_commit(log.quorum_ids, log.lost, m.config.min_replica_size)
+    if log.other_errors or not recoverable or not enough:
+        why = "another error than the lost peer" if log.other_errors else "too few survivors to commit it" \
+            if not enough else "a reduction's input is gone (sent, and nothing kept or rebuilt it; FT_REDO_COPY=1 " \
+            "keeps a copy)"
+        _emit(m, False, "not redoable", started)
+        _fail(m, why)
+        return
+    logger.info("%s a reduction lost a peer (%s); forming the quorum again to redo the step's %d reduction(s)",
+                m._prefix(), m._errored, len(log.records))
+    try:
+        role, n = _redo_quorum(m, log.quorum_ids)
+    except Exception as exc:
+        m.report_error(exc)
+        _emit(m, False, "quorum failed", started)
+        _fail(m, f"quorum: {exc}")
+        return
+    if role is rules.RedoRole.ABANDON:
+        m.report_error(FTError(f"{m._prefix()} redo abandoned: the new quorum holds a group that is not redoing "
+                               f"this step (it committed it, heals, joined or gave up on it); the step fails and "
+                               f"the next quorum heals as usual"))
+        _emit(m, False, "abandoned", started)
+        _fail(m, "abandoned")
+        return
+    m._clear_errors()
+    pending, done = [], 0
+    while True:  # in the original order; reductions issued meanwhile join the end
+        with log.lock:
+            if done == len(log.records):
+                log.state = WaitState.REPLAYED
+                replayed = list(log.records)
+                break
+            rec = log.records[done]
+            rec.replayed = True
+        done += 1
+        if rec.saved is not None:
+            rec.tensor.copy_(rec.saved)
+        pending.append(m._reduce(rec.tensor, rec.op, wait=False))
+    for fut in pending:
+        fut.wait()  # never fails; bounded by the collective timeout
+    if m._errored is not None:
+        _emit(m, False, "replay failed", started)
+        _fail(m, f"replay: {m._errored}")
+        return
+    for rec in replayed:
+        for write in rec.writers:
+            write()
+    logger.info("%s redid the step at the wait with %d participant(s) in %.3fs", m._prefix(), n,
+                time.perf_counter() - started)
+    _emit(m, True, "replayed", started)
+    with log.lock:
+        waiting = [r for r in replayed if not r.delivered]
+        for r in waiting:
+            r.delivered = True
+    for r in waiting:
+        _deliver(r)
+
+
+def _restore(rec: Reduction) -> None:
+    try:
+        rec.intact = bool(rec.restore())  # type: ignore[misc]
+    except Exception as exc:  # then it cannot be redone; the step fails as without redo
+        logger.warning("rebuilding a reduction's input failed, so this step cannot be redone: %s", exc)
+
+
+def settle(m: "Manager", timeout_s: float) -> None:
+    """Before the vote: every reduction of this step delivered (a redo at the wait done), bounded; the
+    vote then sees the redo's outcome. Raises what wait_quorum() raises."""
+    m.wait_quorum()
+    log = m._redo
+    if not log.config.at_wait:
+        return
+    try:
+        for rec in list(log.records):
+            if rec.out is not None and not rec.out.done():
+                ft_futures.future_wait(rec.out, timeout_s, what=f"{m._prefix()} reduction (and its redo)")
+    except FTError as exc:
+        m.report_error(exc)
+    m.wait_quorum()
 
 
 def on_peer_lost(m: "Manager", quorum_id: int, replica_id: str) -> None:
@@ -149,6 +382,7 @@ def on_peer_lost(m: "Manager", quorum_id: int, replica_id: str) -> None:
         return
     if m._state.quorum_id != quorum_id or m._voted:  # voted: nothing of this step is left in flight
         return
+    m._redo.lost.add(replica_id)
     m.report_error(FTError(f"{m._prefix()} replica group {replica_id} of quorum {quorum_id} was lost "
                            f"(the lighthouse dropped it); this step's collectives are aborted"), peer_lost=True)
     m._break_pg()

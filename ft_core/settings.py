@@ -131,10 +131,11 @@ SETTINGS: tuple[Setting, ...] = (
             "dynamic: average over every live group; fixed_with_spares: exactly min_replica_size contribute"),
     Setting("use_async_quorum", "FT_ASYNC_QUORUM", parse_bool, True, "boolean",
             "form the quorum in the background, overlapping the forward pass"),
-    Setting("redo_step", "FT_REDO_STEP", parse_bool, False, "boolean",
+    Setting("redo_step", "FT_REDO_STEP", parse_bool, None, "boolean",
             "when a peer is lost during a step, the survivors form the quorum again and redo its reductions "
-            "without it instead of failing the step; only for loops that read reduced values after the vote "
-            "(docs/guarantees.md)"),
+            "without it instead of failing the step. Unset: on for groups of one rank (redone where the failed "
+            "reduction is waited on), off for groups of several; 1: also groups of several ranks, at the vote "
+            "(only for loops that read reduced values after it); 0: off (docs/guarantees.md)"),
     Setting("redo_copy", "FT_REDO_COPY", parse_bool, False, "boolean",
             "keep a copy of every cross-group reduction's input so a step that lost a peer mid-reduction can "
             "be redone too (one memcpy and one copy of the gradients per step)"),

@@ -11,6 +11,7 @@ returned actions (configure the process group, send or fetch a checkpoint, break
     local_vote(...)                   -> bool            this rank's commit vote
     on_vote(state, decision, ...)     -> (StepState, CommitActions)
     can_redo(...) / redo_role(...)    -> bool / RedoRole  redo a step that lost a peer (ft_core.redo)
+    survivors_can_commit(...)         -> bool          whether forming the quorum again for a redo is worth it
 
 A healed step is adopted only when the group commits the step it healed in: every rank loaded the
 state (a rank whose fetch or load failed votes no, and the group's vote is the AND of its ranks),
@@ -35,7 +36,7 @@ __all__ = [
     "CommitActions", "Contribution", "HealTarget", "QuorumActions", "RedoRole", "StepState", "WorldSizeMode",
     "can_redo", "check_reduce_op", "contribution", "fill_value", "heal_target", "is_participating", "local_vote",
     "on_configure_failed", "on_configured", "on_pg_broken", "on_quorum", "on_vote", "participation", "redo_role",
-    "restore", "unreduced_step", "vote_world_size",
+    "restore", "survivors_can_commit", "unreduced_step", "vote_world_size",
 ]
 
 
@@ -288,6 +289,14 @@ def can_redo(*, enabled: bool, redone: bool, errored: bool, peer_errors_only: bo
     or a collective failed, it took part with its own gradients, every reduction it issued can be
     issued again with the same input (never sent, or a copy kept), and the step was not redone yet."""
     return enabled and not redone and errored and peer_errors_only and recoverable and participating
+
+
+def survivors_can_commit(old_replica_ids: tuple[str, ...], lost: frozenset[str] | set[str],
+                         min_replica_size: int) -> bool:
+    """Worth forming the quorum again: the survivors (the old quorum less the groups known lost, at least
+    one) can still reach min_replica_size; else the shrink-only quorum could only wait for its timeout."""
+    survivors = set(old_replica_ids) - set(lost)
+    return min(len(survivors), len(old_replica_ids) - 1) >= min_replica_size
 
 
 def redo_role(state: StepState, result: QuorumResult, old_replica_ids: tuple[str, ...]) -> RedoRole:

@@ -9,6 +9,11 @@ ft_core DDP + OptimizerWrapper, AdamW, each group its own data. The test steers 
   before any of its reductions is issued;
 - `<workdir>/stop` holding `STEP`: stop there.
 
+With --read-reduced the loop reads reduced values before the vote, as real loops do: it averages its
+loss across the groups (`manager.allreduce(...).wait()`, after the backward pass, or before it with
+--loss-first) and clips the reduced gradients (`clip_grad_norm_`), and records both; after the step it
+records the norm of the gradients the optimizer used.
+
 Writes `g<N>.i<incarnation>.steps.jsonl` (one line per vote: step voted on, step after, committed, digest of parameters and
 optimizer state, participants) and `...events.jsonl` (the Manager's structured events).
 """
@@ -43,6 +48,14 @@ def read(path: str) -> str:
         return ""
 
 
+def reduced_loss(manager: Manager, loss: torch.Tensor) -> tuple[float, float]:
+    """(this group's loss, the loss averaged across the groups), read at once, before the vote."""
+    mine = loss.detach().reshape(1).clone()
+    reduced = mine.clone()
+    manager.allreduce(reduced).wait()
+    return float(mine.item()), float(reduced.item())
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--group", type=int, required=True)
@@ -50,6 +63,9 @@ def main() -> int:
     p.add_argument("--workdir", required=True)
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--exactly-once", action="store_true", help="draw batches from ft_core's exactly-once sampler")
+    p.add_argument("--read-reduced", action="store_true", help="read the reduced loss and gradients before the vote")
+    p.add_argument("--loss-first", action="store_true", help="with --read-reduced: reduce the loss before backward")
+    p.add_argument("--max-norm", type=float, default=0.05)
     args = p.parse_args()
     torch.set_num_threads(1)
     prefix = os.path.join(args.workdir, f"g{args.group}.i{args.incarnation}")
@@ -128,14 +144,25 @@ def main() -> int:
         loss = F.cross_entropy(ddp(x), y)
         if sampler is not None:
             loss = loss * sampler.loss_weight()
+        seen: dict = {}
+        if args.read_reduced and args.loss_first:
+            seen["loss"], seen["reduced_loss"] = reduced_loss(manager, loss)
         loss.backward()
+        if args.read_reduced:
+            if not args.loss_first:
+                seen["loss"], seen["reduced_loss"] = reduced_loss(manager, loss)
+            seen["norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm))
         step = manager.current_step()
         optimizer.step()
+        if args.read_reduced:
+            seen["used_norm"] = float(torch.linalg.vector_norm(torch.cat([q.grad.reshape(-1) for q in
+                                                                          model.parameters()])))
         rec = sampler.last_batch if sampler is not None else None
         log.write(json.dumps({"step": step, "after": manager.current_step(), "committed": optimizer.committed,
                               "time": time.time(), "held": list(rec.held) if rec else None,
                               "consumed": list(rec.consumed) if rec else None,
-                              "digest": state_digest(model, inner), "participants": manager.num_participants()}) + "\n")
+                              "digest": state_digest(model, inner), "participants": manager.num_participants(),
+                              **seen}) + "\n")
         if armed("vote"):
             die("vote")
         time.sleep(0.01)

@@ -7,10 +7,12 @@ real lighthouse; one is SIGKILLed at a chosen point of a step, restarted, and he
 survivors record no failed commit, their committed steps are consecutive, a redo event says the step
 was replayed without the dead group, and every group (the restarted one included) holds the same
 parameters and optimizer state after every step it committed and at the end. With FT_REDO_STEP=0 the
-same kill fails the survivors' step, as before issue 15.
+same kill fails the survivors' step, as before issue 15. Redo is on by default for groups of one rank, so
+the workers run with FT_REDO_STEP unset unless a test sets it.
 
 On main before issue 15 the redo tests fail (the survivors' step at the kill does not commit); the
-FT_REDO_STEP=0 test passes there and here.
+FT_REDO_STEP=0 test passes there and here. The test of a loop reading reduced values before the vote
+fails with the redo at the vote (before the redo moved to the wait): the loss it read was its own.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from ft_harness import read_jsonl
 from torch.distributed import ReduceOp
 
 from ft_core.control.lighthouse import LighthouseServer
-from ft_core.redo import RedoConfig, ReductionLog
+from ft_core.redo import RedoConfig, ReductionLog, resolve
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_redo_worker.py")
 SURVIVORS, VICTIM = (0, 1), 2
@@ -55,8 +57,15 @@ class Job:
         out = open(os.path.join(self.workdir, f"g{g}.i{self.incarnation[g]}.out"), "w")  # noqa: SIM115 (the child keeps it)
         self.procs[g] = self.processes.spawn(
             [sys.executable, WORKER, "--group", str(g), "--incarnation", str(self.incarnation[g]),
-             "--workdir", self.workdir, *self.extra], env=child_env(FT_LIGHTHOUSE=self.lighthouse, **{"FT_REDO_STEP": "1", **self.env}), stdout=out,
-            stderr=out)
+             "--workdir", self.workdir, *self.extra], env=self.child_env(), stdout=out, stderr=out)
+
+    def child_env(self) -> dict[str, str]:
+        """The default redo settings (FT_REDO_STEP and FT_REDO_COPY unset) unless the test sets them."""
+        env = child_env(FT_LIGHTHOUSE=self.lighthouse, **self.env)
+        for name in ("FT_REDO_STEP", "FT_REDO_COPY"):
+            if name not in self.env:
+                env.pop(name, None)
+        return env
 
     def steps(self, g: int, incarnation: int | None = None) -> list[dict[str, Any]]:
         inc = incarnation or self.incarnation[g]
@@ -160,6 +169,30 @@ def test_a_group_killed_mid_reduction_costs_the_survivors_no_step(processes, tmp
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("extra, env", [([], {}), (["--loss-first"], {"FT_REDO_COPY": "1"})],
+                         ids=["grads-then-loss", "loss-then-grads-with-copies"])
+def test_a_loop_reading_reduced_values_before_the_vote_reads_the_survivors_average(processes, tmp_path, extra,
+                                                                                    env) -> None:
+    """The redo runs where a reduction is waited on, so what the loop reads before the vote (the averaged
+    loss it logs, the reduced gradients it clips) is already the survivors' value: the loss read equals
+    the average of the two survivors' losses, and the optimizer applies the clipped gradients (a redo at
+    the vote would have overwritten them with unclipped ones). grads-then-loss: the kill lands in the
+    gradients' reduction, the loss is reduced after the redo; loss-then-grads: it lands in the loss's
+    reduction (kept by a copy), the gradients are reduced after the redo."""
+    job, kill_step = run_kill(processes, tmp_path, "allreduce", hold=False, env=env,
+                              extra=["--read-reduced", *extra])
+    assert_no_step_lost(job, kill_step)
+    rows = [next(r for r in job.steps(g) if r["step"] == kill_step) for g in SURVIVORS]
+    survivors_mean = (rows[0]["loss"] + rows[1]["loss"]) / 2
+    for row in rows:
+        assert row["reduced_loss"] == pytest.approx(survivors_mean, rel=1e-5), rows
+    for g in SURVIVORS:
+        for row in job.committed(g):
+            assert row["used_norm"] == pytest.approx(min(row["norm"], 0.05), rel=1e-3), row
+    assert_identical(job)
+
+
+@pytest.mark.timeout(120)
 def test_a_redone_step_consumes_the_survivors_batches_and_gives_the_dead_group_s_back(processes, tmp_path) -> None:
     """Exactly-once sampler: the redone step re-sums the held-batch votes without the dead group, so the
     survivors agree that their batches are consumed and the dead group's is not (it is trained later)."""
@@ -182,7 +215,7 @@ def test_with_redo_off_the_survivors_step_of_the_kill_fails_as_before(processes,
 
 
 def test_the_reduction_log_keeps_copies_only_of_what_is_sent_in_buffers_reused_every_step() -> None:
-    log = ReductionLog(RedoConfig(enabled=True, copy=True))
+    log = ReductionLog(RedoConfig(at_wait=False, at_vote=True, copy=True))
     grad, loss = torch.arange(4.0), torch.ones(1)
     first = log.record(grad, ReduceOp.AVG, broken=False)
     assert first is not None and torch.equal(first.saved, grad) and first.saved.data_ptr() != grad.data_ptr()
@@ -195,9 +228,30 @@ def test_the_reduction_log_keeps_copies_only_of_what_is_sent_in_buffers_reused_e
     again = log.record(grad * 2, ReduceOp.AVG, broken=False)
     assert again.saved.data_ptr() == first.saved.data_ptr() and torch.equal(again.saved, grad * 2)
 
-    plain = ReductionLog(RedoConfig(enabled=True, copy=False))
+    plain = ReductionLog(RedoConfig(at_wait=False, at_vote=True, copy=False))
     sent = plain.record(grad, ReduceOp.AVG, broken=False)
     assert sent.saved is None
     sent.intact = False
     assert not plain.redoable(errored=True, participating=True)  # sent, no copy: cannot be redone
-    assert ReductionLog(RedoConfig(enabled=False)).record(grad, ReduceOp.AVG, broken=False) is None
+    assert ReductionLog(RedoConfig(at_wait=False)).record(grad, ReduceOp.AVG, broken=False) is None
+    at_wait = ReductionLog(RedoConfig(at_wait=True, copy=False))
+    assert at_wait.record(grad, ReduceOp.AVG, broken=True) is not None
+    assert not at_wait.redoable(errored=True, participating=True)  # redone at the wait, never at the vote
+
+
+@pytest.mark.parametrize("env, ranks, where", [
+    (None, 1, "wait"),  # the default: a group of one rank redoes at the wait
+    (None, 2, "off"),  # several ranks would have to agree at the wait: not by default
+    ("1", 1, "wait"),
+    ("1", 2, "vote"),  # asked for: at the vote (values read before the vote are the failed ones)
+    ("0", 1, "off"),
+    ("0", 2, "off"),
+])
+def test_where_a_step_that_lost_a_peer_is_redone(monkeypatch, env, ranks, where) -> None:
+    if env is None:
+        monkeypatch.delenv("FT_REDO_STEP", raising=False)
+    else:
+        monkeypatch.setenv("FT_REDO_STEP", env)
+    cfg = resolve(None, None, ranks)
+    assert (cfg.at_wait, cfg.at_vote) == (where == "wait", where == "vote"), cfg
+    assert cfg.enabled == (where != "off")

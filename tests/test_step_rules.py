@@ -276,6 +276,18 @@ def test_the_role_in_the_redo_quorum(name, state, res, expected):
     assert rules.redo_role(state, res, OLD) is expected
 
 
+@pytest.mark.parametrize("old, lost, min_size, expected", [
+    (("a", "b", "c"), set(), 2, True),  # one of three lost (which one is not known yet): two can commit
+    (("a", "b", "c"), {"c"}, 2, True),
+    (("a", "b", "c"), {"b", "c"}, 2, False),  # one survivor: the shrink-only quorum could only time out
+    (("a", "b"), set(), 2, False),  # two groups, min 2: a loss leaves one
+    (("a", "b"), set(), 1, True),
+    (("a",), set(), 1, False),  # alone: nobody to redo with
+], ids=["3-groups-none-known", "3-groups-one-known", "3-groups-two-lost", "2-groups-min-2", "2-groups-min-1", "alone"])
+def test_a_redo_is_tried_only_when_the_survivors_can_commit_the_step(old, lost, min_size, expected):
+    assert rules.survivors_can_commit(old, lost, min_size) is expected
+
+
 def test_a_redone_step_commits_with_the_new_participant_count():
     state, actions = rules.on_vote(AT_Q1, True, local=True, errored=False, num_participants=2, max_retries=None)
     assert (state.step, state.batches_committed, state.commit_failures) == (6, 12, 0) and actions.committed
