@@ -69,7 +69,9 @@ def test_sigkill_at_every_point_of_a_step_then_restart_heals_identical(processes
             if inc > 1:  # every restart healed from a live peer before its first commit
                 assert any(e["type"] == "heal" for e in g.events(inc)), f"group {g.group_id} inc {inc} never healed"
             gap = commit_gaps(commits)
-            assert gap < 1.0, f"group {g.group_id} incarnation {inc}: {gap:.2f}s between commits"
+            # well under the 10 s collective timeout a survivor would otherwise wait out; the figure itself
+            # (0.2 s quiet) is measured in benchmarks/heal.py, not asserted here (1.35 s seen at load ~8)
+            assert gap < 3.0, f"group {g.group_id} incarnation {inc}: {gap:.2f}s between commits"
     # the restarted g1 first failed to heal (its source died mid-transfer), then healed from g2
     assert any(e["type"] == "error" for e in g1.events(2)), "g1 should have seen its heal source die"
 
