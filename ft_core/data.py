@@ -505,6 +505,18 @@ class DistributedSampler(torch.utils.data.distributed.DistributedSampler):
             self._settle()
             return {"position": self._pos.to_dict(), "seed": self.seed, "shuffle": self.shuffle}
 
+    def training_position(self) -> dict[str, Any] | None:
+        """The data position this step's assignment is drawn from, as `state_dict()["position"]`: the
+        committed one, or, with the synchronous quorum, the healed one while its heal (loaded at the
+        quorum) waits for the step's commit. For checks that follow the position step by step (a ledger);
+        None without a manager."""
+        if self._manager is None:
+            return None
+        with self._lock:
+            self._settle()
+            pos = self._healed if self._healed is not None and self._healed_keep else self._pos
+            return pos.to_dict()
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from `state_dict()` (a durable checkpoint)."""
         if self._manager is None:

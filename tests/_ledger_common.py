@@ -27,8 +27,9 @@ class Indexed(torch.utils.data.Dataset):
 
 
 def fingerprint(sampler: Any) -> str:
-    """The sampler's committed data position, as a short digest."""
-    return hashlib.sha1(json.dumps(sampler.state_dict()["position"]).encode()).hexdigest()[:16]
+    """The data position the sampler's next assignment is drawn from (the committed one, or a healed one
+    loaded at a synchronous quorum: `training_position`), as a short digest."""
+    return hashlib.sha1(json.dumps(sampler.training_position()).encode()).hexdigest()[:16]
 
 
 class Ledger:

@@ -331,13 +331,8 @@ def _drive(gs: list[LedgerGroup], rng: random.Random, kills: int, timeout: float
     # the same promise with fewer kills and epochs in the default tier (each costs a minute or more on 2 cores)
     ("num_workers=2", 3, 4, ["--step-sleep", "0.1", "--workers", "2"], 1),
     ("2 ranks per group", 3, 4, ["--step-sleep", "0.25"], 2),
-    # Found 2026-12-02 (passed once at load ~8, failed once in the full suite): in sync quorum mode a group's
-    # ledger row for a step it took up after a heal or a missed commit links from its old position (step 62's)
-    # while its consumption matched the job's step 64, so the history walk skips step 63. Not yet known whether
-    # the sampler or only the ledger's position fingerprint is wrong (issue 16).
-    pytest.param("sync quorum", 3, 4, ["--step-sleep", "0.1", "--sync-quorum"], 1,
-                 marks=pytest.mark.xfail(strict=False, reason="sync quorum: a step missing from the ledger's "
-                                         "history after a heal (issue 16, open)")),
+    # the synchronous quorum: a heal is loaded at the quorum and the step trains from the healed position
+    ("sync quorum", 3, 4, ["--step-sleep", "0.1", "--sync-quorum"], 1),
     # the acceptance counts (issue 16: at least 10 kills in each configuration), FT_RUN_SLOW=1
     pytest.param("num_workers=2, 10 kills", 10, 8, ["--step-sleep", "0.1", "--workers", "2"], 1,
                  marks=pytest.mark.slow),
