@@ -179,7 +179,9 @@ def test_quorum_call_ends_at_its_deadline_and_server_keeps_serving() -> None:
             c.quorum(QuorumMember("lonely"), timedelta(seconds=0.3))
         assert isinstance(info.value, FTTimeoutError) and "Quorum" in str(info.value)
         assert_bounded(start, 0.3, "a 0.3 s quorum poll")
-        wait_for(lambda: not member_of(status_of(server), "lonely")["waiting"], what="waiter to leave")
+        # Under load the member may already be pruned (heartbeat timeout 500 ms): gone has left the wait too.
+        wait_for(lambda: not (member_of(status_of(server), "lonely") or {}).get("waiting"),
+                 what="waiter to leave")
         assert {q.quorum_id for q in join_all(c, [QuorumMember("x"), QuorumMember("y")])} == {1}
 
 
