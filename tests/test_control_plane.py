@@ -3,6 +3,7 @@ by client threads, real child processes killed and frozen (issue 2, DESIGN.md se
 
 from __future__ import annotations
 
+import logging
 import signal
 import socket
 import subprocess
@@ -217,6 +218,29 @@ def test_lighthouse_restarted_on_the_same_address_managers_reconnect_and_ids_kee
     assert one_id(quorum_round([a, b], steps)) >= after
     assert a.server.last_quorum_id() >= after
     assert second.address().endswith(f":{port}")
+
+
+@pytest.mark.timeout(60)
+def test_a_restarted_lighthouse_waits_for_a_member_of_the_managers_last_quorum_before_going_on(
+        stack: ExitStack, caplog: pytest.LogCaptureFixture) -> None:
+    """Rule 10 end to end: the managers report their last quorum's members, so a lighthouse restarted while
+    group_a is gone first waits for group_a (one heartbeat timeout), then goes on with the others."""
+    caplog.set_level(logging.DEBUG, logger="ft_core.control.lighthouse")
+    settings = dict(min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=2000, http_bind=None)
+    first = LighthouseServer(**settings)
+    stack.callback(first.shutdown)
+    port = first.address().rsplit(":", 1)[1]
+    a, b, c = start_groups(stack, first.address(), ["group_a", "group_b", "group_c"], world_size=1)
+    before = one_id(quorum_round([a, b, c], {"group_a": 0, "group_b": 0, "group_c": 0}))
+    a.close()
+    first.shutdown()
+
+    stack.enter_context(LighthouseServer(bind=f"127.0.0.1:{port}", **settings))
+    results = rounds_until([b, c], {"group_b": 1, "group_c": 1}, lambda ids: ids == ["group_b", "group_c"])
+    assert one_id(results) > before
+    statuses = [r.getMessage() for r in caplog.records if r.getMessage().startswith("quorum status:")]
+    assert any(f"waiting for group_a (quorum {before}" in s for s in statuses), \
+        "the restarted lighthouse issued without waiting for group_a of the managers' last quorum"
 
 
 @pytest.mark.timeout(60)

@@ -611,3 +611,70 @@ def test_many_heartbeat_streams_of_one_process_share_one_thread(lighthouse: Ligh
         assert all(isinstance(q, Quorum) for q in quorums), quorums
         assert {q.quorum_id for q in quorums} == {quorums[0].quorum_id}
         assert all(q.replica_ids == sorted(f"shared-{i}" for i in range(12)) for q in quorums)
+
+
+def ask_in_threads(client: LighthouseClient, members: list[QuorumMember],
+                   timeout: float = 30.0) -> tuple[list[threading.Thread], dict[str, object]]:
+    """Start a Quorum call for each member on its own thread; answers (or errors) land by replica id."""
+    answers: dict[str, object] = {}
+
+    def ask(member: QuorumMember) -> None:
+        try:
+            answers[member.replica_id] = client.quorum(member, timedelta(seconds=timeout))
+        except Exception as exc:  # surfaced by the test's assertions
+            answers[member.replica_id] = exc
+
+    threads = [threading.Thread(target=ask, args=(member,), name=f"test-ask-{member.replica_id}")
+               for member in members]
+    for thread in threads:
+        thread.start()
+    return threads, answers
+
+
+def reporting(rid: str, quorum_id: int, members: tuple[str, ...], step: int = 0) -> QuorumMember:
+    """A member whose last quorum (issued by another or an earlier lighthouse) was `quorum_id` with `members`."""
+    return QuorumMember(rid, step=step, last_quorum_id=quorum_id, last_quorum_replica_ids=members)
+
+
+@pytest.mark.timeout(60)
+def test_a_fresh_lighthouse_waits_for_the_reported_last_quorum_member_until_it_joins() -> None:
+    """Rule 10: b and c report quorum 7 of {a, b, c}, which this fresh lighthouse never issued: no quorum for
+    b and c alone (a may hold a step committed after theirs) until a, still reconnecting, joins."""
+    last = ("a", "b", "c")
+    with LighthouseServer(min_replicas=1, join_timeout_ms=60_000, quorum_tick_ms=50, heartbeat_timeout_ms=30_000,
+                          http_bind=None) as server, LighthouseClient(server.address()) as client:
+        threads, answers = ask_in_threads(client, [reporting(rid, 7, last, step=802) for rid in ("b", "c")])
+        wait_for(lambda: "waiting for a (quorum 7" in server.core.quorum_status(), what="the wait for a")
+        assert not answers, f"issued without a, the reported member of quorum 7: {answers}"
+        a = client.quorum(reporting("a", 7, last, step=803), 10 * SECOND)
+        for thread in threads:
+            thread.join(15)
+        assert a.quorum_id == 8 and a.replica_ids == ["a", "b", "c"]
+        assert all(isinstance(q, Quorum) and q.quorum_id == 8 and q.replica_ids == ["a", "b", "c"]
+                   for q in answers.values()), answers
+        assert all(p.last_quorum_replica_ids == () for p in a.participants), "the reports are not echoed back"
+
+
+@pytest.mark.timeout(60)
+def test_a_fresh_lighthouse_gives_up_on_an_unheard_reported_member_after_the_heartbeat_timeout(caplog) -> None:
+    """Rule 10: the reported member never shows up; one heartbeat timeout after the report it counts as dead
+    and the others get their quorum (above the reported id)."""
+    caplog.set_level(logging.DEBUG, logger="ft_core.control.lighthouse")
+    last = ("a", "b", "c")
+    with LighthouseServer(min_replicas=1, join_timeout_ms=60_000, quorum_tick_ms=50, heartbeat_timeout_ms=1_000,
+                          http_bind=None) as server, LighthouseClient(server.address()) as client:
+        streams = [client.start_heartbeat_stream(rid, interval=timedelta(milliseconds=50)) for rid in ("b", "c")]
+        try:
+            assert all(stream.wait_connected(10) for stream in streams)
+            threads, answers = ask_in_threads(client, [reporting("b", 7, last), reporting("c", 7, last)])
+            for thread in threads:
+                thread.join(20)
+        finally:
+            for stream in streams:
+                stream.stop()
+        assert all(isinstance(q, Quorum) and q.quorum_id == 8 and q.replica_ids == ["b", "c"]
+                   for q in answers.values()) and len(answers) == 2, answers
+        statuses = [r.getMessage() for r in caplog.records if r.getMessage().startswith("quorum status:")]
+        assert any("waiting for a (quorum 7" in s for s in statuses), "b and c were issued a quorum before the wait"
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any("reports quorum 7, which this lighthouse never issued" in w for w in warnings), warnings

@@ -11,6 +11,7 @@ from ft_core.control.quorum import (
     Joined,
     LighthouseState,
     QuorumConfig,
+    Reported,
     decide,
     largest_reachable_set,
     member_problem,
@@ -19,6 +20,7 @@ from ft_core.control.quorum import (
     refused_incarnations,
     replica_group,
     replica_id_problem,
+    reported_members,
 )
 from ft_core.control.types import Quorum, QuorumMember
 
@@ -44,6 +46,7 @@ class Case:
     quorum_id: int = 0
     expect_id: int | None = None
     first_seen: dict[str, float] | None = None  # replica_id -> seconds since it came alive (rule 8)
+    reported: dict[str, tuple[int, float]] | None = None  # replica_id -> (reported quorum id, seconds since learned)
     config: QuorumConfig = field(default_factory=lambda: QuorumConfig(min_replicas=1, join_timeout_ms=60_000,
                                                                       heartbeat_timeout_ms=5_000))
 
@@ -186,6 +189,32 @@ CASES = [
          prev=Quorum(6, (m("a", step=251), m("b", step=251))), quorum_id=6, expect_id=7),
     Case("different groups with suffixes are independent", joined("g:1", "h:1"), alive("g:1", "h:1"),
          ["g:1", "h:1"], "Valid quorum found", first_seen={"g:1": 5.0, "h:1": 1.0}),
+    # rule 10: a lighthouse that never issued the members' last quorum (restarted, or a standby that took over)
+    # waits for that quorum's members it has not heard from, for one heartbeat timeout (found by ftl chaos: a
+    # restarted lighthouse issued at max_step 802 to the groups that asked first while the group alone holding
+    # committed step 803 was still reconnecting)
+    Case("restarted lighthouse: waits for an unheard member of the reported quorum",
+         joined("b", "c", last_quorum_id=151), alive("b", "c"), None, "waiting for a (quorum 151, 4.5 s left)",
+         reported={"a": (151, 0.5), "b": (151, 0.5), "c": (151, 0.5)}),
+    Case("the reported member heartbeats: the other rules apply (it is a straggler)",
+         joined("b", "c", last_quorum_id=151), alive("a", "b", "c"), None,
+         "waiting for 1 healthy but not participating stragglers",
+         reported={"a": (151, 0.5), "b": (151, 0.5), "c": (151, 0.5)}),
+    Case("the reported member joins: the quorum is issued with it", joined("a", "b", "c", last_quorum_id=151),
+         alive("a", "b", "c"), ["a", "b", "c"], "Valid quorum found", expect_id=152,
+         reported={"a": (151, 0.5), "b": (151, 0.5), "c": (151, 0.5)}),
+    Case("a heartbeat timeout since it was reported: the unheard member is dead",
+         joined("b", "c", last_quorum_id=151), alive("b", "c"), ["b", "c"], "Valid quorum found", expect_id=152,
+         reported={"a": (151, 5.0), "b": (151, 5.0), "c": (151, 5.0)}),
+    Case("the wait holds the fast path of an older own quorum too (a standby that took over)",
+         joined("b", "c", last_quorum_id=151), alive("b", "c"), None, "waiting for a (quorum 151",
+         prev=quorum(5, "b", "c"), quorum_id=5, reported={"a": (151, 0.5)}),
+    Case("the lighthouse issued that quorum itself: the report is ignored", joined("b", "c", last_quorum_id=151),
+         alive("b", "c"), ["b", "c"], "Valid quorum found", prev=quorum(151, "a", "b", "c"), quorum_id=151,
+         expect_id=152, reported={"a": (151, 0.5)}),
+    Case("a report older than the lighthouse's own quorum is ignored", joined("b", "c", last_quorum_id=151),
+         alive("b", "c"), ["b", "c"], "Fast quorum", prev=quorum(160, "b", "c"), quorum_id=160, expect_id=160,
+         reported={"a": (151, 0.5)}),
 ]
 
 
@@ -195,7 +224,8 @@ def test_decide(case: Case) -> None:
         waiting={member.replica_id: Joined(member, NOW - ago) for member, ago in case.waiting},
         heartbeats={rid: NOW - ago for rid, ago in case.alive.items()},
         prev_quorum=case.prev, quorum_id=case.quorum_id,
-        first_seen={rid: NOW - ago for rid, ago in (case.first_seen or {}).items()})
+        first_seen={rid: NOW - ago for rid, ago in (case.first_seen or {}).items()},
+        reported={rid: Reported(qid, NOW - ago) for rid, (qid, ago) in (case.reported or {}).items()})
     decision = decide(state, NOW, case.config)
     got = None if decision.participants is None else [p.replica_id for p in decision.participants]
     assert got == case.expect, decision.reason
@@ -239,6 +269,28 @@ def test_restart_never_reissues_a_seen_id() -> None:
         assert decide(state, NOW, QuorumConfig()).quorum_id > seen
 
 
+REPORTS = [
+    # (name, already reported, the member's report, lighthouse's own quorum id, expected new entries)
+    ("a quorum above its own is news", {}, m("b", last_quorum_id=9, last_quorum_replica_ids=("a", "b")), 0,
+     {"a": Reported(9, NOW), "b": Reported(9, NOW)}),
+    ("its own quorum id: nothing new", {}, m("b", last_quorum_id=9, last_quorum_replica_ids=("a", "b")), 9, {}),
+    ("an older quorum: nothing new", {}, m("b", last_quorum_id=8, last_quorum_replica_ids=("a", "b")), 9, {}),
+    ("no list (a member of no quorum yet)", {}, m("b", last_quorum_id=9), 0, {}),
+    ("a member already learned of keeps its first time", {"a": Reported(9, NOW - 2)},
+     m("b", last_quorum_id=9, last_quorum_replica_ids=("a", "b")), 0, {"b": Reported(9, NOW)}),
+    ("a later quorum naming it starts its time again", {"a": Reported(9, NOW - 2)},
+     m("b", last_quorum_id=10, last_quorum_replica_ids=("a",)), 0, {"a": Reported(10, NOW)}),
+    ("an older report does not replace a newer one", {"a": Reported(10, NOW - 2)},
+     m("b", last_quorum_id=9, last_quorum_replica_ids=("a",)), 0, {}),
+]
+
+
+@pytest.mark.parametrize("name,known,member,qid,expected", REPORTS, ids=[r[0] for r in REPORTS])
+def test_reported_members(name: str, known: dict[str, Reported], member: QuorumMember, qid: int,
+                          expected: dict[str, Reported]) -> None:
+    assert reported_members(known, member, qid, NOW) == expected
+
+
 def test_shrink_joiner_gets_in_on_the_next_round() -> None:
     """A joiner held back by shrink_only keeps waiting, then enters through the next fast quorum."""
     cfg = QuorumConfig(min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=5_000)
@@ -270,6 +322,9 @@ PROBLEMS = [
     ("huge replica_id", QuorumMember(replica_id="r" * 2000), "replica_id is longer"),
     ("too many unreachable", m("a", unreachable=tuple(f"r{i}" for i in range(5000))), "unreachable lists 5000"),
     ("huge unreachable id", m("a", unreachable=("r" * 2000,)), "unreachable replica id is longer"),
+    ("too many last quorum members", m("a", last_quorum_replica_ids=tuple(f"r{i}" for i in range(5000))),
+     "last_quorum_replica_ids lists 5000"),
+    ("huge last quorum member id", m("a", last_quorum_replica_ids=("r" * 2000,)), "last_quorum_replica_ids replica"),
 ]
 
 

@@ -24,9 +24,11 @@ from ft_core.control.quorum import (
     Joined,
     LighthouseState,
     QuorumConfig,
+    Reported,
     decide,
     healthy_replicas,
     prune_heartbeats,
+    reported_members,
 )
 from ft_core.control.types import Quorum, QuorumMember
 from ft_core.net import split_host_port
@@ -154,6 +156,7 @@ class LighthouseCore:
         self._last_reason = ""
         self._closed = False
         self._first_seen: dict[str, float] = {}  # replica_id -> when it last came alive (rule 8: oldest wins)
+        self._reported: dict[str, Reported] = {}  # members of quorums it never issued (rule 10)
         self._warned_refused: set[tuple[str, str]] = set()  # (refused, older) pairs already logged
         self._notified: set[tuple[int, str]] = set()  # (quorum_id, lost replica) already pushed
         self._notifier: PeerLostNotifier | None = None
@@ -183,6 +186,10 @@ class LighthouseCore:
                 return
             if self._finished and self._refuse_late_locked(waiter, now):
                 return
+            if member.last_quorum_replica_ids:
+                if member.last_quorum_id > self._quorum_id:
+                    self._learn_reported_locked(member, now)
+                member = waiter.member = member.without_last_quorum()
             if rid not in self._dead:
                 self._came_alive_locked(rid, now)
                 self._heartbeats[rid] = now
@@ -194,6 +201,20 @@ class LighthouseCore:
             self._waiters.setdefault(rid, []).append(waiter)
             if not self._still_waiting_locked(now):
                 self._decide_locked(now)
+
+    def _learn_reported_locked(self, member: QuorumMember, now: float) -> None:
+        """Rule 10: `member` took part in a quorum this lighthouse never issued; remember that quorum's members."""
+        new = reported_members(self._reported, member, self._quorum_id, now)
+        if not new:
+            return
+        self._reported.update(new)
+        unheard = sorted(rid for rid in new if rid not in self._heartbeats and rid not in self._waiting)
+        logger.warning("replica %s reports quorum %d, which this lighthouse never issued (its latest is %d: it "
+                       "restarted or took over); waiting up to the heartbeat timeout (%d ms) for that quorum's "
+                       "members it has not heard from: %s", member.replica_id, member.last_quorum_id, self._quorum_id,
+                       self._rules.heartbeat_timeout_ms, unheard or "none",
+                       extra={"replica_id": member.replica_id, "quorum_id": member.last_quorum_id,
+                              "replica_ids": sorted(new), "event": "quorum_reported"})
 
     def finished(self, replica_id: str, step: int, quorum_id: int) -> None:
         """`replica_id` ended its training normally at `step`: from now on a group joining behind it alone is refused."""
@@ -272,7 +293,8 @@ class LighthouseCore:
                 for waiter in waiters:
                     waiter.redirect = message
                     waiter.wake()
-            for table in (self._waiting, self._heartbeats, self._streams, self._first_seen, self._known, self._dead):
+            for table in (self._waiting, self._heartbeats, self._streams, self._first_seen, self._known, self._dead,
+                          self._reported):
                 table.clear()
             self._expired.clear()
 
@@ -356,7 +378,7 @@ class LighthouseCore:
             waiters = self._waiters.get(replica_id)
             if waiters and replica_id not in self._waiting:  # declared dead while its call still waited
                 self._add_waiting_locked(Joined(waiters[-1].member, now))
-            if replica_id in self._waiting:
+            if replica_id in self._waiting or (replica_id in self._reported and self._waiting):  # rule 10's wait ends
                 self._decide_locked(now)
 
     def stream_opened(self, replica_id: str, token: object) -> None:
@@ -420,6 +442,9 @@ class LighthouseCore:
                 del self._known[rid]
             for rid in prune_heartbeats(self._dead, now, PRUNE_AFTER_TIMEOUTS * timeout):
                 del self._dead[rid]
+            if self._reported:  # rule 10 ignores them past the heartbeat timeout
+                self._reported = {rid: known for rid, known in self._reported.items()
+                                  if now - known.learned_at < timeout}
             if self._waiting:
                 self._decide_locked(now)
 
@@ -463,7 +488,8 @@ class LighthouseCore:
         return seen is not None and now - seen < self._rules.heartbeat_timeout_s
 
     def _state_locked(self) -> LighthouseState:
-        return LighthouseState(self._waiting, self._heartbeats, self._prev, self._quorum_id, self._first_seen)
+        return LighthouseState(self._waiting, self._heartbeats, self._prev, self._quorum_id, self._first_seen,
+                               self._reported)
 
     def _decide_locked(self, now: float) -> None:
         if self._awaiting_peers or self._redirect is not None:
@@ -488,6 +514,8 @@ class LighthouseCore:
             self._notified.clear()  # notices concern the current quorum only
         self._prev = quorum
         self._quorum_id = quorum.quorum_id
+        if self._reported:  # its own quorum supersedes what members reported of older ones (rule 10)
+            self._reported = {rid: known for rid, known in self._reported.items() if known.quorum_id > quorum.quorum_id}
         self._issued += 1
         issued = Issued(quorum)
         for member in quorum.participants:

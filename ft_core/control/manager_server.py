@@ -86,6 +86,7 @@ class ManagerServer:
         self._commit_round: CommitRound | None = None
         self._checkpoint_metadata: dict[int, str] = {}
         self._last_quorum_id = 0
+        self._last_quorum_replica_ids: tuple[str, ...] = ()  # members of quorum _last_quorum_id (lighthouse rule 10)
         self._last_quorum: Quorum | None = None  # the last quorum the lighthouse gave this group
         self._unreachable: tuple[str, ...] = ()  # peers of that quorum the last probe could not reach
         self._lost: set[tuple[int, str]] = set()  # (quorum_id, replica_id) the lighthouse said were lost
@@ -346,7 +347,7 @@ class ManagerServer:
             replica_id=self.replica_id, address=self._address, store_address=self.config.store_addr,
             step=requests[0].step, world_size=self.config.world_size,
             shrink_only=any(r.shrink_only for r in requests), commit_failures=commit_failures,
-            last_quorum_id=self._last_quorum_id,
+            last_quorum_id=self._last_quorum_id, last_quorum_replica_ids=self._last_quorum_replica_ids,
             unreachable=self._probe_peers(commit_failures, deadline) if probe else (),
             commit_quorum_id=min(r.commit_quorum_id for r in requests)), None, deadline  # oldest fork of any rank
 
@@ -359,6 +360,8 @@ class ManagerServer:
         """Record the round's outcome and wake its ranks."""
         with self._cond:
             if quorum is not None:
+                if quorum.quorum_id >= self._last_quorum_id:
+                    self._last_quorum_replica_ids = tuple(quorum.replica_ids)
                 self._last_quorum_id = max(self._last_quorum_id, quorum.quorum_id)
                 self._last_quorum = quorum
             rnd.quorum, rnd.error = quorum, error

@@ -18,6 +18,7 @@ MAX_DATA_BYTES = 64 * 1024  # user JSON carried in QuorumMember.data
 MAX_FIELD_CHARS = 1024  # replica_id, address, store_address
 MAX_QUORUM_ID = 2**62  # far above any real job; keeps max(reported) + 1 inside int64
 MAX_UNREACHABLE = 4096  # replica ids one member may report unreachable
+MAX_LAST_QUORUM_REPLICAS = 4096  # replica ids one member may report as its last quorum's members (rule 10)
 CLIQUE_SEARCH_BUDGET = 20_000  # branch steps of the exact largest-reachable-set search per component
 
 
@@ -47,6 +48,14 @@ class Joined:
 
 
 @dataclass(frozen=True)
+class Reported:
+    """Rule 10: a member of a quorum this lighthouse never issued, as a member's report of that quorum named it."""
+
+    quorum_id: int  # the reported quorum
+    learned_at: float  # when this lighthouse first heard of it as a member of that quorum
+
+
+@dataclass(frozen=True)
 class LighthouseState:
     """What the decision needs: who waits, who heartbeats, and the previous quorum."""
 
@@ -55,6 +64,7 @@ class LighthouseState:
     prev_quorum: Quorum | None = None
     quorum_id: int = 0
     first_seen: Mapping[str, float] = field(default_factory=dict)  # replica_id -> when first heard (rule 8)
+    reported: Mapping[str, Reported] = field(default_factory=dict)  # replica_id -> its report (rule 10)
 
 
 @dataclass(frozen=True)
@@ -186,7 +196,7 @@ def next_quorum_id(prev_quorum: Quorum | None, quorum_id: int, participants: Ite
 
 
 def decide(state: LighthouseState, now: float, config: QuorumConfig) -> Decision:
-    """Rules 1-5: whether a quorum can be issued now, with whom, and the reason either way."""
+    """Rules 1-10: whether a quorum can be issued now, with whom, and the reason either way."""
     healthy = healthy_replicas(state.heartbeats, now, config)
     refused = refused_incarnations({rid: state.first_seen.get(rid, 0.0) for rid in healthy}) \
         if state.first_seen else {}
@@ -213,6 +223,11 @@ def decide(state: LighthouseState, now: float, config: QuorumConfig) -> Decision
         return wait("No replica is waiting for a quorum.")
     if not joined:
         return wait(f"No waiting replica is healthy (no heartbeat within {config.heartbeat_timeout_ms} ms).")
+
+    if state.reported:  # rule 10: a quorum this lighthouse never issued waits for its unheard members a while
+        unheard = unheard_reported_members(state, now, config)
+        if unheard:
+            return wait(unheard_reason(unheard, now, config))
 
     prev = state.prev_quorum
     prev_ids = set(prev.replica_ids) if prev is not None else set()
@@ -273,6 +288,51 @@ def healthy_holders_ahead(prev: Quorum | None, healthy: Collection[str], joined:
     return sorted(ahead, key=lambda m: (-m.step, m.replica_id))
 
 
+def reported_members(reported: Mapping[str, Reported], member: QuorumMember, quorum_id: int,
+                     now: float) -> dict[str, Reported]:
+    """Rule 10's input: what `member`'s report of its last quorum teaches a lighthouse whose own latest quorum id
+    is `quorum_id` (entries to add to `reported`). Only a quorum above that id is news: the lighthouse never issued
+    it (it restarted, or it is a standby that took over). A member already learned of keeps its first time, unless
+    a later quorum names it."""
+    qid = member.last_quorum_id
+    if qid <= quorum_id or not member.last_quorum_replica_ids:
+        return {}
+    new = {}
+    for rid in member.last_quorum_replica_ids:
+        known = reported.get(rid)
+        if known is None or known.quorum_id < qid:
+            new[rid] = Reported(qid, now)
+    return new
+
+
+def unheard_reported_members(state: LighthouseState, now: float, config: QuorumConfig) -> list[tuple[str, Reported]]:
+    """Rule 10: members of a quorum this lighthouse never issued (reported by the members, above its own latest
+    id) that it has not heard from (not heartbeating, not waiting), learned of less than heartbeat_timeout ago;
+    sorted by replica id. Such a member may hold committed steps no one else holds: a quorum without it could
+    train them again on another history. Once it heartbeats the other rules apply; past the timeout it is dead."""
+    limit = config.heartbeat_timeout_s
+    unheard = []
+    for rid, known in state.reported.items():
+        if known.quorum_id <= state.quorum_id or now - known.learned_at >= limit or rid in state.waiting:
+            continue
+        seen = state.heartbeats.get(rid)
+        if seen is None or now - seen >= limit:
+            unheard.append((rid, known))
+    return sorted(unheard, key=lambda item: item[0])
+
+
+def unheard_reason(unheard: Sequence[tuple[str, Reported]], now: float, config: QuorumConfig) -> str:
+    """Rule 10's wait, naming the members it waits for and why."""
+    shown = ", ".join(f"{rid} (quorum {known.quorum_id}, "
+                      f"{config.heartbeat_timeout_s - (now - known.learned_at):.1f} s left)"
+                      for rid, known in unheard[:8])
+    more = f" and {len(unheard) - 8} more" if len(unheard) > 8 else ""
+    return (f"New quorum not ready: waiting for {shown}{more}: member(s) of a quorum this lighthouse never issued "
+            f"(it restarted or took over), reported by the members, not heard from yet; a quorum without them could "
+            f"train steps they committed again. Waiting until they heartbeat or heartbeat_timeout "
+            f"({config.heartbeat_timeout_ms} ms) passes since they were reported.")
+
+
 def member_problem(member: QuorumMember | None) -> str | None:
     """Why a requester is malformed (answered with INVALID_ARGUMENT), or None when it is fine."""
     if member is None:
@@ -296,6 +356,11 @@ def member_problem(member: QuorumMember | None) -> str | None:
         return f"unreachable lists {len(member.unreachable)} replicas, over the limit of {MAX_UNREACHABLE}"
     if any(len(rid) > MAX_FIELD_CHARS for rid in member.unreachable):
         return f"an unreachable replica id is longer than {MAX_FIELD_CHARS} characters"
+    if len(member.last_quorum_replica_ids) > MAX_LAST_QUORUM_REPLICAS:
+        return (f"last_quorum_replica_ids lists {len(member.last_quorum_replica_ids)} replicas, over the limit of "
+                f"{MAX_LAST_QUORUM_REPLICAS}")
+    if any(len(rid) > MAX_FIELD_CHARS for rid in member.last_quorum_replica_ids):
+        return f"a last_quorum_replica_ids replica id is longer than {MAX_FIELD_CHARS} characters"
     size = len(member.data.encode())
     if size > MAX_DATA_BYTES:
         return f"data field is {size} bytes, over the {MAX_DATA_BYTES}-byte limit: send less user data"

@@ -26,6 +26,7 @@ class QuorumMember:
     last_quorum_id: int = 0
     unreachable: tuple[str, ...] = ()  # peers of the previous quorum this member could not reach
     commit_quorum_id: int = 0  # quorum in which it committed its latest step (0: none): its fork
+    last_quorum_replica_ids: tuple[str, ...] = ()  # members of quorum last_quorum_id (rule 10); not echoed back
 
     # Spelled out field by field: these run for every member of every quorum on both sides of the
     # wire, and reflection (dataclasses.fields) made them the control plane's hottest Python code.
@@ -34,7 +35,8 @@ class QuorumMember:
                                    store_address=self.store_address, step=self.step, world_size=self.world_size,
                                    shrink_only=self.shrink_only, data=self.data,
                                    commit_failures=self.commit_failures, last_quorum_id=self.last_quorum_id,
-                                   unreachable=self.unreachable, commit_quorum_id=self.commit_quorum_id)
+                                   unreachable=self.unreachable, commit_quorum_id=self.commit_quorum_id,
+                                   last_quorum_replica_ids=self.last_quorum_replica_ids)
 
     @classmethod
     def from_pb(cls, msg: ft_pb2.QuorumMember) -> "QuorumMember":
@@ -44,7 +46,17 @@ class QuorumMember:
         member.__dict__.update(replica_id=msg.replica_id, address=msg.address, store_address=msg.store_address,
                                step=msg.step, world_size=msg.world_size, shrink_only=msg.shrink_only, data=msg.data,
                                commit_failures=msg.commit_failures, last_quorum_id=msg.last_quorum_id,
-                               unreachable=tuple(msg.unreachable), commit_quorum_id=msg.commit_quorum_id)
+                               unreachable=tuple(msg.unreachable), commit_quorum_id=msg.commit_quorum_id,
+                               last_quorum_replica_ids=tuple(msg.last_quorum_replica_ids))
+        return member
+
+    def without_last_quorum(self) -> "QuorumMember":
+        """This member without its report of its last quorum's members: what a lighthouse keeps and issues once it
+        has read the report (a quorum that echoed every member's list back would grow with the square of its size)."""
+        if not self.last_quorum_replica_ids:
+            return self
+        member = object.__new__(type(self))
+        member.__dict__.update(self.__dict__, last_quorum_replica_ids=())
         return member
 
 

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class QuorumMember(_message.Message):
-    __slots__ = ("replica_id", "address", "store_address", "step", "world_size", "shrink_only", "data", "commit_failures", "last_quorum_id", "unreachable", "commit_quorum_id")
+    __slots__ = ("replica_id", "address", "store_address", "step", "world_size", "shrink_only", "data", "commit_failures", "last_quorum_id", "unreachable", "commit_quorum_id", "last_quorum_replica_ids")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class QuorumMember(_message.Message):
     LAST_QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
     UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
     COMMIT_QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_QUORUM_REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     store_address: str
@@ -30,7 +31,8 @@ class QuorumMember(_message.Message):
     last_quorum_id: int
     unreachable: _containers.RepeatedScalarFieldContainer[str]
     commit_quorum_id: int
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., store_address: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., shrink_only: _Optional[bool] = ..., data: _Optional[str] = ..., commit_failures: _Optional[int] = ..., last_quorum_id: _Optional[int] = ..., unreachable: _Optional[_Iterable[str]] = ..., commit_quorum_id: _Optional[int] = ...) -> None: ...
+    last_quorum_replica_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., store_address: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., shrink_only: _Optional[bool] = ..., data: _Optional[str] = ..., commit_failures: _Optional[int] = ..., last_quorum_id: _Optional[int] = ..., unreachable: _Optional[_Iterable[str]] = ..., commit_quorum_id: _Optional[int] = ..., last_quorum_replica_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Quorum(_message.Message):
     __slots__ = ("quorum_id", "participants", "created_unix_ms")
