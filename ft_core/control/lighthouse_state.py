@@ -208,7 +208,8 @@ class LighthouseCore:
         if not new:
             return
         self._reported.update(new)
-        unheard = sorted(rid for rid in new if rid not in self._heartbeats and rid not in self._waiting)
+        unheard = sorted(rid for rid in new if rid != member.replica_id and rid not in self._heartbeats
+                         and rid not in self._waiting)
         logger.warning("replica %s reports quorum %d, which this lighthouse never issued (its latest is %d: it "
                        "restarted or took over); waiting up to the heartbeat timeout (%d ms) for that quorum's "
                        "members it has not heard from: %s", member.replica_id, member.last_quorum_id, self._quorum_id,
