@@ -285,10 +285,13 @@ class Manager:
         return fut.exception()
 
     def _quorum_call(self, shrink_only: bool, timeout_s: float) -> QuorumResult:
+        """`rebuild` while the process group must be rebuilt: the lighthouse then issues a fresh quorum id (a redo's
+        rebuild under the failed quorum's id would read that build's stale keys, and its peers would not rebuild)."""
         cfg = self.config
         args = dict(group_rank=cfg.group_rank, step=self._state.step, checkpoint_metadata=self._transport.metadata(),
                     shrink_only=shrink_only, timeout=timedelta(seconds=timeout_s), init_sync=cfg.init_sync,
-                    commit_failures=self._state.commit_failures, commit_quorum_id=self._state.commit_quorum_id)
+                    commit_failures=self._state.commit_failures, commit_quorum_id=self._state.commit_quorum_id,
+                    rebuild=self._state.quorum_id < 0)
         if self._server is not None:
             return self._server.quorum_local(**args)
         return self._client.quorum(**args)

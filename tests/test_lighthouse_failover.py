@@ -418,6 +418,40 @@ def test_a_peer_with_another_token_is_no_candidate_and_the_refusal_is_reported(c
         assert other.core.status()["members"]
 
 
+@pytest.mark.timeout(60)
+def test_a_redo_quorum_of_the_same_members_gets_a_fresh_id_so_every_member_rebuilds_its_process_group():
+    """What the simulated-hosts test below found: group 1 came back from a 4 s cut in time to join the
+    step's quorum (the same members, the same id), then group 0, told of the loss, redid the step. Its
+    redo quorum (shrink only) met group 1's quorum call for the same step and kept the id, so group 0
+    rebuilt its process group under the store prefix of that id's first build, read group 1's stale
+    address there and connected to it for 50 s, while group 1, seeing an unchanged id, did not rebuild at
+    all. A member that must rebuild asks for it: the quorum gets a fresh id, and every member rebuilds."""
+    from ft_core.control.manager_server import ManagerServer
+
+    timeout = timedelta(seconds=20)
+    with LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=60_000, heartbeat_timeout_ms=30_000,
+                          http_bind=None) as lighthouse, \
+            ManagerServer("0:a", lighthouse.address()) as group0, ManagerServer("1:b", lighthouse.address()) as group1:
+        assert group0.wait_heartbeat_connected(10) and group1.wait_heartbeat_connected(10)
+        first = [r for r, _ in run_calls([lambda: group0.quorum_local(0, 7, "", False, timeout),
+                                          lambda: group1.quorum_local(0, 7, "", False, timeout)])]
+        assert all(not isinstance(r, Exception) for r in first), first
+        assert first[0].quorum_id == first[1].quorum_id > 0, first
+
+        # The same step again: group 0 redoes it (shrink only, its process group broken, no failure counted
+        # yet), group 1 asks as usual; the membership is unchanged.
+        again = [r for r, _ in run_calls([lambda: group0.quorum_local(0, 7, "", True, timeout, rebuild=True),
+                                          lambda: group1.quorum_local(0, 7, "", False, timeout)])]
+        assert all(not isinstance(r, Exception) for r in again), again
+        assert again[0].quorum_id == again[1].quorum_id > first[0].quorum_id, (first, again)
+        assert sorted(again[0].replica_ids) == ["0:a", "1:b"], again
+
+        # A member that needs no rebuild keeps the id, as before.
+        same = [r for r, _ in run_calls([lambda: group0.quorum_local(0, 8, "", False, timeout),
+                                         lambda: group1.quorum_local(0, 8, "", False, timeout)])]
+        assert [r.quorum_id for r in same] == [again[0].quorum_id] * 2, (again, same)
+
+
 @pytest.mark.timeout(115)
 def test_on_simulated_hosts_a_group_cut_off_after_a_lighthouse_failover_rejoins_the_job(simulated_hosts, tmp_path):
     """docs/chaos.md gap 4 as the network chaos run found it: the primary's host is cut, the groups go on

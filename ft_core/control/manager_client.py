@@ -82,12 +82,12 @@ class ManagerClient:
 
     def quorum(self, group_rank: int, step: int, checkpoint_metadata: str, shrink_only: bool,
                timeout: timedelta | float, init_sync: bool = True, commit_failures: int = 0,
-               commit_quorum_id: int = 0) -> QuorumResult:
+               commit_quorum_id: int = 0, rebuild: bool = False) -> QuorumResult:
         """Join the group's quorum as `group_rank`; returns this rank's recovery plan."""
         request = ft_pb2.ManagerQuorumRequest(group_rank=group_rank, step=step,
                                               checkpoint_metadata=checkpoint_metadata, shrink_only=shrink_only,
                                               init_sync=init_sync, commit_failures=commit_failures,
-                                              commit_quorum_id=commit_quorum_id)
+                                              commit_quorum_id=commit_quorum_id, rebuild=rebuild)
         return result_from_pb(self._call(self._stub.Quorum, request, "Quorum", timeout))
 
     def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: timedelta | float) -> bool:

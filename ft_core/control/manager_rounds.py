@@ -22,6 +22,7 @@ class RankRequest:
     commit_failures: int
     deadline: float
     commit_quorum_id: int = 0
+    rebuild: bool = False  # its process group is broken and no failure is counted yet (QuorumMember.rebuild)
 
 
 @dataclass

@@ -179,18 +179,20 @@ def next_quorum_id(prev_quorum: Quorum | None, quorum_id: int, participants: Ite
     """Rule 5 plus restart safety: the id the quorum of `participants` gets.
 
     It bumps when there is no previous quorum, when the sorted replica ids differ from the
-    previous quorum's, when any participant reports commit_failures > 0 (forces every group
-    to rebuild its process group), or when a participant has seen a higher id than ours (a
-    restarted or other lighthouse issued it). A bump gives max(ours, highest reported) + 1,
-    so a restarted lighthouse never issues an id a manager has already seen. Changes of
-    address or step alone keep the id.
+    previous quorum's, when any participant reports commit_failures > 0 or asks to `rebuild`
+    (forces every group to rebuild its process group: a redo rebuilds a broken one before any
+    failure is counted, and under the previous id it would meet that quorum's rendezvous keys,
+    still in the store, while a member that joined as usual would not rebuild at all), or when
+    a participant has seen a higher id than ours (a restarted or other lighthouse issued it).
+    A bump gives max(ours, highest reported) + 1, so a restarted lighthouse never issues an id
+    a manager has already seen. Changes of address or step alone keep the id.
     """
     members = list(participants)
     highest_seen = max((m.last_quorum_id for m in members), default=0)
     ids = sorted(m.replica_id for m in members)
     bump = (prev_quorum is None
             or ids != sorted(prev_quorum.replica_ids)
-            or any(m.commit_failures > 0 for m in members)
+            or any(m.commit_failures > 0 or m.rebuild for m in members)
             or highest_seen > quorum_id)
     return max(quorum_id, highest_seen) + 1 if bump else quorum_id
 

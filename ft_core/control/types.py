@@ -27,6 +27,7 @@ class QuorumMember:
     unreachable: tuple[str, ...] = ()  # peers of the previous quorum this member could not reach
     commit_quorum_id: int = 0  # quorum in which it committed its latest step (0: none): its fork
     last_quorum_replica_ids: tuple[str, ...] = ()  # members of quorum last_quorum_id (rule 10); not echoed back
+    rebuild: bool = False  # its process group is broken with no failure counted yet (a redo): fresh quorum_id
 
     # Spelled out field by field: these run for every member of every quorum on both sides of the
     # wire, and reflection (dataclasses.fields) made them the control plane's hottest Python code.
@@ -36,7 +37,7 @@ class QuorumMember:
                                    shrink_only=self.shrink_only, data=self.data,
                                    commit_failures=self.commit_failures, last_quorum_id=self.last_quorum_id,
                                    unreachable=self.unreachable, commit_quorum_id=self.commit_quorum_id,
-                                   last_quorum_replica_ids=self.last_quorum_replica_ids)
+                                   last_quorum_replica_ids=self.last_quorum_replica_ids, rebuild=self.rebuild)
 
     @classmethod
     def from_pb(cls, msg: ft_pb2.QuorumMember) -> "QuorumMember":
@@ -47,7 +48,7 @@ class QuorumMember:
                                step=msg.step, world_size=msg.world_size, shrink_only=msg.shrink_only, data=msg.data,
                                commit_failures=msg.commit_failures, last_quorum_id=msg.last_quorum_id,
                                unreachable=tuple(msg.unreachable), commit_quorum_id=msg.commit_quorum_id,
-                               last_quorum_replica_ids=tuple(msg.last_quorum_replica_ids))
+                               last_quorum_replica_ids=tuple(msg.last_quorum_replica_ids), rebuild=msg.rebuild)
         return member
 
     def without_last_quorum(self) -> "QuorumMember":
