@@ -136,7 +136,8 @@ def assert_lighthouse_serves(server: LighthouseServer) -> None:
 
 members = st.builds(ft_pb2.QuorumMember, replica_id=TEXT, address=TEXT, store_address=TEXT, step=INT64,
                     world_size=UINT64, shrink_only=st.booleans(), data=st.text(max_size=70_000),
-                    commit_failures=INT64, last_quorum_id=INT64, last_quorum_replica_ids=st.lists(TEXT, max_size=4))
+                    commit_failures=INT64, last_quorum_id=INT64, last_quorum_replica_ids=st.lists(TEXT, max_size=4),
+                    rebuild=st.booleans())
 
 
 def test_lighthouse_survives_malformed_protobuf_values(lighthouse):
