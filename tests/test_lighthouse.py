@@ -25,6 +25,7 @@ from ft_core.control.lighthouse import LighthouseServer
 from ft_core.control.lighthouse_client import LighthouseClient, StreamUnavailable
 from ft_core.control.lighthouse_state import LighthouseConfig, LighthouseCore, Waiter
 from ft_core.control.types import Quorum, QuorumMember
+from ft_core.tools.launcher import free_port
 
 SECOND = timedelta(seconds=1)
 
@@ -678,3 +679,47 @@ def test_a_fresh_lighthouse_gives_up_on_an_unheard_reported_member_after_the_hea
         assert any("waiting for a (quorum 7" in s for s in statuses), "b and c were issued a quorum before the wait"
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert any("reports quorum 7, which this lighthouse never issued" in w for w in warnings), warnings
+
+
+@pytest.mark.timeout(60)
+def test_the_stream_carries_the_last_quorum_report_only_to_a_lighthouse_that_did_not_answer_that_quorum() -> None:
+    """Rule 10's report names every member of the last quorum (O(N) per member per round): on a heartbeat stream
+    whose lighthouse answered that quorum it stays home; on a new stream (the lighthouse restarted, or another
+    one took over) the first request carries it."""
+    port = free_port()
+    seen: list[tuple[str, ...]] = []
+
+    def spy_on(server: LighthouseServer) -> None:
+        join = server.core.join
+
+        def recording_join(waiter: Waiter) -> None:
+            seen.append(waiter.member.last_quorum_replica_ids)  # what arrived, before the lighthouse strips it
+            join(waiter)
+
+        server.core.join = recording_join  # type: ignore[method-assign]
+
+    settings = dict(bind=f"127.0.0.1:{port}", min_replicas=1, join_timeout_ms=60_000, quorum_tick_ms=50,
+                    heartbeat_timeout_ms=1_000, http_bind=None)
+    with LighthouseClient(f"127.0.0.1:{port}", connect_timeout=10) as client:
+        with LighthouseServer(**settings) as first:
+            spy_on(first)
+            stream = client.start_heartbeat_stream("a", interval=timedelta(milliseconds=50))
+            try:
+                assert stream.wait_connected(10)
+                one = stream.quorum(QuorumMember("a", step=1), 10 * SECOND)
+                two = stream.quorum(reporting("a", one.quorum_id, ("a",), step=2), 10 * SECOND)
+                assert two.quorum_id == one.quorum_id
+                assert seen == [(), ()], "a report of the quorum this stream's lighthouse answered was sent"
+                elsewhere = stream.quorum(reporting("a", one.quorum_id + 5, ("a",), step=3), 10 * SECOND)
+                assert seen[-1] == ("a",), "a quorum this lighthouse never answered is news: the report goes"
+                first.shutdown()
+                wait_for(lambda: not stream.connected, what="the stream to notice the lighthouse is gone")
+                with LighthouseServer(**settings) as second:
+                    spy_on(second)
+                    seen.clear()
+                    assert stream.wait_connected(15)
+                    again = stream.quorum(reporting("a", elsewhere.quorum_id, ("a", "b"), step=4), 10 * SECOND)
+                    assert seen[0] == ("a", "b"), "the restarted lighthouse was not told of the members' last quorum"
+                    assert again.quorum_id > elsewhere.quorum_id and again.replica_ids == ["a"]
+            finally:
+                stream.stop()

@@ -57,12 +57,13 @@ class StreamUnavailable(RPCError):
 class _StreamPoll:
     """A quorum request sent on the heartbeat stream, waiting for the answer with its request_id."""
 
-    __slots__ = ("done", "future", "response")
+    __slots__ = ("done", "future", "response", "outbox")
 
     def __init__(self, future: asyncio.Future | None = None) -> None:
         self.done = threading.Event()
         self.future = future  # set by quorum_async (on the loop), resolved with `done`
         self.response: ft_pb2.LighthouseHeartbeatResponse | None = None  # None: the stream ended first
+        self.outbox: asyncio.Queue | None = None  # the stream it was sent on
 
     def settle(self) -> None:
         self.done.set()
@@ -167,6 +168,7 @@ class HeartbeatStreamHandle:
         self._listeners: list[Callable[[int, str], None]] = []
         self._outbox: asyncio.Queue | None = None  # what the open stream's writer sends (guarded by _lock)
         self._polls: dict[int, _StreamPoll] = {}  # quorum requests of the open stream (guarded by _lock)
+        self._answered_id = 0  # highest quorum id the open stream's lighthouse answered (guarded by _lock)
         self._request_ids = itertools.count(1)
         self._loop = _StreamLoop.acquire()  # given back by stop()
         self._holds_loop = True
@@ -300,6 +302,7 @@ class HeartbeatStreamHandle:
         with self._lock:
             self._call = call
             self._outbox = outbox
+            self._answered_id = 0  # maybe another lighthouse, or the same one restarted: it knows no quorum of ours
         if self._stop.is_set():
             outbox.put_nowait(_GOODBYE)
         timer = loop.call_later(self._interval_s, beat)
@@ -387,9 +390,15 @@ class HeartbeatStreamHandle:
             if outbox is not None:
                 request_id = next(self._request_ids)
                 self._polls[request_id] = poll
+                poll.outbox = outbox
+                answered_id = self._answered_id
         if outbox is None:
             raise StreamUnavailable(f"heartbeat stream of {self.replica_id} is not open", peer="lighthouse",
                                     call="LighthouseService.HeartbeatStream", code="UNAVAILABLE")
+        if member.last_quorum_replica_ids and member.last_quorum_id <= answered_id:
+            # Rule 10's report is news only to a lighthouse that never issued that quorum; this stream's lighthouse
+            # answered it (or a later one), so the report (one id per member: O(N) per member per round) stays home.
+            member = member.without_last_quorum()
         message = ft_pb2.LighthouseHeartbeatRequest(
             replica_id=self.replica_id, request_id=request_id, timeout_ms=max(int(timeout_s * 1000), 1),
             quorum=ft_pb2.LighthouseQuorumRequest(requester=member.to_pb())).SerializeToString()
@@ -401,8 +410,9 @@ class HeartbeatStreamHandle:
         return FTTimeoutError(f"LighthouseService.Quorum (heartbeat stream of {self.replica_id}) timed out after "
                               f"{timeout_s:.3g}s; check the lighthouse status page, min_replicas and join_timeout")
 
-    def _answer(self, response: ft_pb2.LighthouseHeartbeatResponse | None, timeout_s: float) -> Quorum:
+    def _answer(self, poll: _StreamPoll, timeout_s: float) -> Quorum:
         """The quorum in the lighthouse's answer, or the error it carries."""
+        response = poll.response
         if response is None:
             raise StreamUnavailable(f"heartbeat stream of {self.replica_id} ended before the quorum answer",
                                     peer="lighthouse", call="LighthouseService.HeartbeatStream", code="UNAVAILABLE")
@@ -416,7 +426,11 @@ class HeartbeatStreamHandle:
         if response.error_code:
             raise RPCError(response.error, peer="lighthouse", call="LighthouseService.Quorum",
                            code=response.error_code)
-        return Quorum.from_pb(ft_pb2.LighthouseQuorumResponse.FromString(response.quorum_response).quorum)
+        quorum = Quorum.from_pb(ft_pb2.LighthouseQuorumResponse.FromString(response.quorum_response).quorum)
+        with self._lock:
+            if poll.outbox is self._outbox and quorum.quorum_id > self._answered_id:
+                self._answered_id = quorum.quorum_id
+        return quorum
 
     def quorum(self, member: QuorumMember, timeout: timedelta | float) -> Quorum:
         """Join the next quorum over the open stream; wait (up to `timeout`) for one containing `member`.
@@ -436,7 +450,7 @@ class HeartbeatStreamHandle:
         # The lighthouse answers by its own deadline (timeout_ms); a little slack covers the way back.
         if not poll.done.wait(timeout_s + 1.0):
             raise self._timed_out(request_id, timeout_s)
-        return self._answer(poll.response, timeout_s)
+        return self._answer(poll, timeout_s)
 
     async def quorum_async(self, member: QuorumMember, timeout_s: float) -> Quorum:
         """`quorum()` for a coroutine on the stream loop itself (the manager server's): no thread hop at all."""
@@ -452,7 +466,7 @@ class HeartbeatStreamHandle:
             with self._lock:
                 self._polls.pop(request_id, None)
             raise
-        return self._answer(poll.response, timeout_s)
+        return self._answer(poll, timeout_s)
 
     def stop(self, timeout: timedelta | float = 5.0) -> None:
         """Close the stream, wait for its task and give back the stream loop. Idempotent.
