@@ -75,7 +75,10 @@ class HealSources:
         if client is None:
             if len(self._clients) >= MAX_SOURCE_CLIENTS:  # oldest first; an old channel closes at once
                 self._clients.pop(next(iter(self._clients))).close()
-            client = self._clients[address] = ManagerClient(address, self._connect_timeout, token=self._token)
+            # The heal's deadline bounds the connect too: a source that died after the quorum refuses connections,
+            # and gRPC would retry them for the whole connect_timeout (60 s by default) before the heal fails.
+            connect_timeout = min(self._connect_timeout, timeout)
+            client = self._clients[address] = ManagerClient(address, connect_timeout, token=self._token)
         try:
             metadata = client.checkpoint_metadata(group_rank, timeout)
         except FTError:

@@ -285,9 +285,7 @@ class Manager:
         return fut.exception()
 
     def _quorum_call(self, shrink_only: bool, timeout_s: float) -> QuorumResult:
-        """`rebuild` while the process group must be rebuilt: the lighthouse then issues a fresh quorum id (a redo's
-        rebuild under the failed quorum's id would read that build's stale keys, and its peers would not rebuild)."""
-        cfg = self.config
+        cfg = self.config  # rebuild: a broken process group gets a fresh quorum id (QuorumMember.rebuild)
         args = dict(group_rank=cfg.group_rank, step=self._state.step, checkpoint_metadata=self._transport.metadata(),
                     shrink_only=shrink_only, timeout=timedelta(seconds=timeout_s), init_sync=cfg.init_sync,
                     commit_failures=self._state.commit_failures, commit_quorum_id=self._state.commit_quorum_id,
@@ -319,8 +317,7 @@ class Manager:
                 return
         if plan.send_to:
             try:
-                self._transport.send_checkpoint(list(plan.send_to), result.max_step, self.healing_state(),
-                                                cfg.timeout)
+                self._transport.send_checkpoint(list(plan.send_to), result.max_step, self.healing_state(), cfg.timeout)
             except Exception as exc:
                 self.report_error(exc)
         if plan.heal:

@@ -144,3 +144,28 @@ def test_train_ddp_process_exits_promptly_after_manager_shutdown(processes, tmp_
     assert shutdown, group.output()[-3000:]
     # the bound is issue 13's (< 5 s with defaults); it is well under a second on an idle machine (benchmarks)
     assert exited - shutdown[0]["time"] < 5.0, f"exited {exited - shutdown[0]['time']:.2f}s after shutdown"
+
+
+@pytest.mark.timeout(90)
+def test_a_heal_from_a_source_that_died_after_the_quorum_fails_within_the_heal_timeout():
+    """The restarted group's heal source was SIGKILLed after the quorum named it: nothing listens at its manager
+    server's address. The fetch fails within the heal timeout (5 s here), not the 60 s connect_timeout (the
+    manager-processes kill test's restarted group sat out a whole minute this way, 2026-12-02)."""
+    from conftest import assert_bounded
+
+    from ft_core.control.recovery import QuorumResult
+    from ft_core.errors import FTError
+    from ft_core.healing import HealSources
+    from ft_core.tools.launcher import free_port
+
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there: the source is gone
+    plan = QuorumResult(quorum_id=5, replica_rank=1, replica_world_size=3, recover_src_manager_address=dead,
+                        recover_src_replica_rank=0, max_step=368, heal=True)
+    sources = HealSources(connect_timeout=timedelta(seconds=60), token=None)
+    started = time.monotonic()
+    try:
+        with pytest.raises(FTError, match=dead):
+            sources.fetch(plan, 0, transport=None, timeout=timedelta(seconds=5))
+    finally:
+        sources.close()
+    assert_bounded(started, 5.0, "a heal from a dead source")  # not the 60 s connect_timeout
