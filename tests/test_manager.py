@@ -203,14 +203,16 @@ def test_quorum_that_cannot_form_raises_timeout_error_on_time():
 
 class CorruptingProxy:
     """A real HTTP proxy in front of a source's checkpoint server that damages chosen fetches:
-    attempt i (counted by header requests) uses modes[i]: corrupt / truncate / wrong_step / pass."""
+    heal attempt i uses modes[i]: corrupt / truncate / wrong_step / pass. Attempts are told apart by the step they
+    fetch (the source trains on, so each quorum heals to a new step), not by header requests: a healer asks for
+    the header again while the source is still staging it, and under load that took the next attempt's mode."""
 
     def __init__(self, upstream: str, modes: list[str]) -> None:
         import http.server
         import re
 
         self.modes = modes
-        self.attempt = 0
+        self.steps: list[int] = []  # the steps fetched, in order: attempt i fetched steps[i]
         self.lock = threading.Lock()
         host, port = upstream.removeprefix("http://").rsplit(":", 1)
         proxy = self
@@ -224,11 +226,13 @@ class CorruptingProxy:
             def do_GET(self) -> None:  # noqa: N802
                 import http.client
 
+                match = re.search(r"/checkpoint/(\d+)/", self.path)
                 with proxy.lock:
-                    if self.path.endswith("/header"):
-                        proxy.attempt += 1
-                    attempt = proxy.attempt
-                mode = proxy.modes[attempt - 1] if attempt - 1 < len(proxy.modes) else "pass"
+                    step = int(match.group(1)) if match else -1
+                    if step not in proxy.steps:
+                        proxy.steps.append(step)
+                    attempt = proxy.steps.index(step)
+                mode = proxy.modes[attempt] if attempt < len(proxy.modes) else "pass"
                 path = self.path
                 if mode == "wrong_step":
                     path = re.sub(r"/checkpoint/(\d+)/", lambda m: f"/checkpoint/{int(m.group(1)) + 1}/", path)
