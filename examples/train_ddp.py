@@ -30,6 +30,7 @@ import os  # noqa: E402
 import re  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 from datetime import timedelta  # noqa: E402
 
 import torch  # noqa: E402
@@ -65,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kill-at", default=None, help=f"STEP:POINT, POINT in {KILL_POINTS}: SIGKILL self there")
     p.add_argument("--kill-file", default=None, help="SIGKILL self at the point this file names (tests)")
     p.add_argument("--stop-file", default=None, help="once this file holds a step number, stop there")
+    p.add_argument("--heal-delay", type=float, default=0.0,
+                   help="fault injection: the first heal fetch starts this many seconds late (a slow restart)")
     p.add_argument("--digest-out", default=None, help="write the final model+optimizer digest (JSON) here")
     p.add_argument("--step-log", default=None, help="append one JSON line per committed step (step, digest)")
     p.add_argument("--events", default=None, help="append the Manager's structured events as JSON lines")
@@ -165,6 +168,22 @@ def install_kill(switch: KillSwitch, manager: Manager, ddp: torch.nn.Module) -> 
     transport.send_checkpoint = send_then_check
 
 
+def delay_first_heal(manager: Manager, seconds: float) -> None:
+    """Fault injection: the first heal fetch of this process starts `seconds` late, as a restarted
+    process's does on a busy machine (its source may die meanwhile)."""
+    sources = manager._heal_sources
+    fetch = sources.fetch
+    delayed = threading.Event()
+
+    def late_fetch(*args: object, **kwargs: object) -> object:
+        if not delayed.is_set():
+            delayed.set()
+            time.sleep(seconds)
+        return fetch(*args, **kwargs)
+
+    sources.fetch = late_fetch  # type: ignore[method-assign]
+
+
 def stop_step(args: argparse.Namespace) -> int:
     """--steps, or the step written in --stop-file once a test writes it."""
     if args.stop_file and os.path.exists(args.stop_file):
@@ -222,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = OptimizerWrapper(manager, inner_optimizer)
     if args.kill_at or args.kill_file:
         install_kill(KillSwitch(manager, args.kill_at, args.kill_file), manager, ddp)
+    if args.heal_delay:
+        delay_first_heal(manager, args.heal_delay)
 
     gen = torch.Generator().manual_seed(1234)
     features = torch.randn(args.dataset_size, args.in_features, generator=gen)

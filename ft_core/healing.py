@@ -4,13 +4,17 @@ moves the bytes and loads them.
 
 `HealSources` keeps the manager clients of recent heal sources open: closing a fresh gRPC channel
 blocks ~0.2 s (grpc's connectivity poller), which would stall every group waiting on the healer.
+It also abandons a heal when the lighthouse says a member of its quorum is lost (`lost`): that step
+fails anyway, and the healer must rejoin the next quorum at once, not after the heal timeout (the
+survivors' next quorum may need it: more than half of the healthy replicas, lighthouse rule 4).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -59,6 +63,20 @@ class FetchedHeal:
         return self.nbytes / max(self.transfer_seconds, 1e-9) / 1e6
 
 
+@dataclass
+class _Heal:
+    """The heal in flight: its quorum, its source, and why it was abandoned (None while it goes on)."""
+
+    quorum_id: int
+    source: str  # the source's replica id
+    stop: threading.Event = field(default_factory=threading.Event)
+    reason: str | None = None
+
+    def check(self) -> None:
+        if self.reason is not None:
+            raise FTError(self.reason)
+
+
 class HealSources:
     """Fetches healed states from sources' manager servers and checkpoint transports."""
 
@@ -66,10 +84,51 @@ class HealSources:
         self._connect_timeout = connect_timeout
         self._token = token
         self._clients: dict[str, ManagerClient] = {}
+        self._lock = threading.Lock()
+        self._lost: list[tuple[int, str]] = []  # notices heard while the quorum thread works (see `lost`)
+        self._heal: _Heal | None = None
+
+    def lost(self, quorum_id: int, replica_id: str) -> None:
+        """The lighthouse dropped `replica_id` from quorum `quorum_id` while this rank's quorum thread still
+        works on its quorum (ft_core.redo.on_peer_lost): a heal in that quorum, in flight or starting before
+        `forget`, is abandoned. Never blocks (called on a notice thread)."""
+        with self._lock:
+            self._lost.append((quorum_id, replica_id))
+            heal = self._heal
+        if heal is not None and heal.quorum_id == quorum_id:
+            _abandon(heal, replica_id)
+
+    def forget(self, quorum_id: int, replica_id: str) -> None:
+        """The quorum thread's run that heard this notice ended: later heals are not concerned."""
+        with self._lock:
+            if (quorum_id, replica_id) in self._lost:
+                self._lost.remove((quorum_id, replica_id))
 
     def fetch(self, result: QuorumResult, group_rank: int, transport: Any, timeout: timedelta) -> FetchedHeal:
-        """The checkpoint of result.max_step from this rank's source (raises on any failure)."""
+        """The checkpoint of result.max_step from this rank's source (raises on any failure, and at once
+        when the lighthouse says a member of the quorum is lost, `lost`)."""
+        rank = result.recover_src_replica_rank
+        source = result.replica_ids[rank] if rank is not None and rank < len(result.replica_ids) else ""
+        heal = _Heal(result.quorum_id, source or result.recover_src_manager_address)
+        with self._lock:
+            self._heal = heal
+            lost = [rid for qid, rid in self._lost if qid == result.quorum_id]
+        if lost:
+            _abandon(heal, lost[0])
+        try:
+            return self._fetch(heal, result, group_rank, transport, timeout)
+        except Exception as exc:
+            if heal.reason is None or (isinstance(exc, FTError) and str(exc) == heal.reason):
+                raise
+            raise FTError(heal.reason) from exc
+        finally:
+            with self._lock:
+                self._heal = None
+
+    def _fetch(self, heal: _Heal, result: QuorumResult, group_rank: int, transport: Any,
+               timeout: timedelta) -> FetchedHeal:
         started = time.perf_counter()
+        heal.check()
         address = result.recover_src_manager_address
         client = self._clients.get(address)
         if client is None:
@@ -77,15 +136,20 @@ class HealSources:
                 self._clients.pop(next(iter(self._clients))).close()
             # The heal's deadline bounds the connect too: a source that died after the quorum refuses connections,
             # and gRPC would retry them for the whole connect_timeout (60 s by default) before the heal fails.
+            # A PeerLost notice for the quorum ends it sooner (`lost`).
             connect_timeout = min(self._connect_timeout, timeout)
-            client = self._clients[address] = ManagerClient(address, connect_timeout, token=self._token)
+            client = self._clients[address] = ManagerClient(address, connect_timeout, token=self._token,
+                                                            stop=heal.stop)
         try:
+            heal.check()
             metadata = client.checkpoint_metadata(group_rank, timeout)
         except FTError:
             self._clients.pop(address, None)  # likely dead: drop it (its channel is old, closing is quick)
             client.close()
             raise
+        heal.check()
         state = transport.recv_checkpoint(result.recover_src_replica_rank, metadata, result.max_step, timeout)
+        heal.check()
         source = f"replica rank {result.recover_src_replica_rank} ({address})"
         if not isinstance(state, dict) or not isinstance(state.get("user"), dict):
             raise CheckpointError(f"checkpoint from {source} is malformed: expected "
@@ -99,6 +163,15 @@ class HealSources:
         for client in self._clients.values():
             client.close()
         self._clients.clear()
+
+
+def _abandon(heal: _Heal, lost: str) -> None:
+    """Make the heal's waits end now (the connect to its source checks `stop`) with the notice as its error."""
+    if heal.reason is None:
+        what = "heal source replica group" if lost == heal.source else "replica group"
+        heal.reason = (f"{what} {lost} of quorum {heal.quorum_id} was lost (the lighthouse dropped it): this "
+                       f"step's heal is abandoned, and done again at the next quorum")
+    heal.stop.set()
 
 
 def load_healed_state(heal: FetchedHeal, state_fns: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]]

@@ -373,12 +373,18 @@ def on_peer_lost(m: "Manager", quorum_id: int, replica_id: str) -> None:
     """The lighthouse dropped `replica_id` from quorum `quorum_id` (dead, hung or cut off): if this step
     runs in that quorum, fail it and abort its collectives now instead of at their timeout (the vote may
     then redo it). A quorum still forming is checked when it ends (the lighthouse may have issued it
-    just before the loss)."""
+    just before the loss); a heal in that quorum, which the quorum thread may be waiting on, ends now."""
     fut = m._quorum_future
     if fut is None or m._closed:
         return
     if not fut.done():
-        fut.add_done_callback(lambda _f: on_peer_lost(m, quorum_id, replica_id))
+        m._heal_sources.lost(quorum_id, replica_id)  # ft_core.healing: else it waits for the heal timeout
+
+        def settled(_f: Any) -> None:
+            m._heal_sources.forget(quorum_id, replica_id)
+            on_peer_lost(m, quorum_id, replica_id)
+
+        fut.add_done_callback(settled)
         return
     if m._state.quorum_id != quorum_id or m._voted:  # voted: nothing of this step is left in flight
         return
@@ -456,7 +462,9 @@ def redo_step(m: "Manager") -> bool:
 
 def _redo_quorum(m: "Manager", old_ids: tuple[str, ...]) -> tuple[rules.RedoRole, int]:
     """On the quorum thread: the quorum for the same step, shrink only; rebuild the process group for it
-    (also when abandoning, so the peers' rebuild does not wait for us to its timeout)."""
+    (also when abandoning, so the peers' rebuild does not wait for us to its timeout), and stage our state
+    for the groups it says heal from us (then we abandon: else they wait for it to their heal timeout, and
+    our next quorum waits for them)."""
     result = m._quorum_call(True, m._quorum_timeout_s)
     plan = m._plan(result, m._redo.allow_heal)
     role = rules.redo_role(m._state, result, old_ids)
@@ -466,6 +474,11 @@ def _redo_quorum(m: "Manager", old_ids: tuple[str, ...]) -> tuple[rules.RedoRole
     m._redo.quorum_ids = tuple(result.replica_ids)
     if plan.reconfigure:
         m._configure_pg(result)  # a failure propagates to wait_quorum
+    if plan.send_to:
+        try:
+            m._transport.send_checkpoint(list(plan.send_to), result.max_step, m.healing_state(), m.config.timeout)
+        except Exception as exc:
+            m.report_error(exc)
     return role, plan.num_participants
 
 

@@ -8,6 +8,7 @@ A rank > 0 also subscribes here to the lighthouse's PeerLost notices, which only
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -52,12 +53,14 @@ class ManagerClient:
     """Client of one group's manager server; every call has a deadline and typed errors."""
 
     def __init__(self, addr: str, connect_timeout: timedelta | float = timedelta(seconds=10),
-                 token: str | None = None) -> None:
+                 token: str | None = None, stop: threading.Event | None = None) -> None:
+        """Connects (bounded by connect_timeout, or until `stop` is set: rpc.connect)."""
         self._addr = rpc.normalize_address(addr)
         if not self._addr:
             raise ConfigError("ManagerClient needs the manager server address (host:port)")
         self._token = settings.value("FT_TOKEN", token) or None
-        self._channel = rpc.connect(self._addr, connect_timeout, call_name=f"connect to manager server {self._addr}")
+        self._channel = rpc.connect(self._addr, connect_timeout, call_name=f"connect to manager server {self._addr}",
+                                    stop=stop)
         self._stub = ft_pb2_grpc.ManagerServiceStub(self._channel)
         self._notices: NoticeSubscription | None = None
 

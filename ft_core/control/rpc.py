@@ -13,6 +13,7 @@ import random
 import selectors
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Awaitable, Iterator, Mapping
 from dataclasses import dataclass
@@ -22,12 +23,13 @@ from typing import Any, Callable
 import grpc
 
 from ft_core import settings
-from ft_core.errors import AuthError, ConfigError, FTTimeoutError, RPCError
+from ft_core.errors import AuthError, ConfigError, FTError, FTTimeoutError, RPCError
 from ft_core.control.job_end import job_finished_error
 from ft_core.net import normalize_address, split_addresses, split_host_port  # noqa: F401 - rpc.split_addresses
 
 TOKEN_METADATA_KEY = "authorization"
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # control-plane messages are small; bigger ones are rejected
+STOP_POLL_S = 0.05  # how often a connect that may be stopped checks its stop event
 
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -210,24 +212,43 @@ def call(method: Callable, request: Any, *, peer: str, name: str, timeout: timed
 
 
 def connect(address: str, connect_timeout: timedelta | float, *, call_name: str = "connect",
-            tls: "TLSConfig | None" = None) -> grpc.Channel:
-    """Open a channel and wait until it is ready, retrying with capped backoff until connect_timeout."""
+            tls: "TLSConfig | None" = None, stop: threading.Event | None = None) -> grpc.Channel:
+    """Open a channel and wait until it is ready, retrying with capped backoff until connect_timeout, or
+    until `stop` is set (FTError: the caller gave up on the peer, e.g. the lighthouse said it is lost)."""
     target = normalize_address(address)
     deadline = time.monotonic() + seconds(connect_timeout)
     delays = backoff_delays()
     tls = tls_config() if tls is None else tls
     while True:
         channel = open_channel(target, CHANNEL_OPTIONS, tls=tls)
-        remaining = deadline - time.monotonic()
-        try:
-            grpc.channel_ready_future(channel).result(timeout=max(min(remaining, 1.0), 0.001))
+        if _ready(channel, max(min(deadline - time.monotonic(), 1.0), 0.001), stop):
             return channel
-        except grpc.FutureTimeoutError:
-            channel.close()
+        channel.close()
+        if stop is not None and stop.is_set():
+            raise FTError(f"{call_name}: stopped before {target} answered")
         if time.monotonic() >= deadline:
             raise FTTimeoutError(f"{call_name}: could not connect to {target} within {seconds(connect_timeout):.3g}s; "
                                  f"check that the server is running and reachable (connect_timeout)")
-        time.sleep(min(next(delays), max(deadline - time.monotonic(), 0)))
+        delay = min(next(delays), max(deadline - time.monotonic(), 0))
+        if stop is None:
+            time.sleep(delay)
+        else:
+            stop.wait(delay)
+
+
+def _ready(channel: grpc.Channel, timeout_s: float, stop: threading.Event | None) -> bool:
+    """Whether `channel` became ready within timeout_s (checking `stop` every STOP_POLL_S meanwhile)."""
+    ready = grpc.channel_ready_future(channel)
+    end = time.monotonic() + timeout_s
+    while True:
+        left = end - time.monotonic()
+        try:
+            ready.result(timeout=max(left if stop is None else min(left, STOP_POLL_S), 0.001))
+            return True
+        except grpc.FutureTimeoutError:
+            if time.monotonic() >= end or (stop is not None and stop.is_set()):
+                ready.cancel()
+                return False
 
 
 # --------------------------------------------------------------------------- TLS (optional)
