@@ -220,6 +220,8 @@ def _run_lightning(args, ft: bool) -> list[float]:
                 times.append(time.perf_counter() - self.started)
             if batch_idx == args.warmup + args.steps - 1:
                 cpu.stop()
+                if ft:  # the DDP wrapper, while fit runs (teardown unwraps it)
+                    _EXTRA["bucket_copies"] = trainer.strategy.model._ft_hook_state.reducer.copies
 
     if ft:
         from ft_lightning import FaultTolerantDDPStrategy
@@ -243,7 +245,6 @@ def _run_lightning(args, ft: bool) -> list[float]:
         raise RuntimeError(f"Lightning ran {len(times)} timed steps on {trainer.world_size} process(es), expected "
                            f"{args.steps} on {devices}")
     if ft:
-        _EXTRA["bucket_copies"] = trainer.strategy.model._ft_hook_state.reducer.copies
         trainer.strategy.manager.shutdown()
     return times
 
