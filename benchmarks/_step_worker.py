@@ -59,6 +59,22 @@ def thread_cpu() -> dict[str, float]:
     return out
 
 
+class _ThreadCPU:
+    """CPU per timed step of each kind of thread, from the first timed step to the last (into _EXTRA)."""
+
+    def __init__(self, args) -> None:
+        self._steps = args.steps
+        self._before: dict[str, float] = {}
+
+    def start(self) -> None:
+        self._before = thread_cpu()
+
+    def stop(self) -> None:
+        after = thread_cpu()
+        _EXTRA["thread_cpu_ms"] = {k: round((v - self._before.get(k, 0.0)) * 1000 / self._steps, 3)
+                                   for k, v in sorted(after.items(), key=lambda kv: -kv[1])}
+
+
 def _train(model, optimizer, args, phases: dict[str, list[float]] | None = None) -> list[float]:
     """The timed loop; `phases` (when given) gets each timed step's wall time per phase and the
     process CPU time of the step ("cpu": every thread of this process, ours and torch's), and
@@ -191,13 +207,21 @@ def _run_lightning(args, ft: bool) -> list[float]:
         def train_dataloader(self):  # type: ignore[no-untyped-def]
             return DataLoader(_dataset(args), batch_size=args.batch_size, shuffle=False)
 
+    cpu = _ThreadCPU(args)
+
     class StepTimer(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
+            if batch_idx == args.warmup:
+                cpu.start()
             self.started = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
             if batch_idx >= args.warmup:
                 times.append(time.perf_counter() - self.started)
+            if batch_idx == args.warmup + args.steps - 1:
+                cpu.stop()
+                if ft:  # the DDP wrapper, while fit runs (teardown unwraps it)
+                    _EXTRA["bucket_copies"] = trainer.strategy.model._ft_hook_state.reducer.copies
 
     if ft:
         from ft_lightning import FaultTolerantDDPStrategy
@@ -249,9 +273,12 @@ def _run_accelerate(args, ft: bool) -> list[float]:
     if not ft and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise RuntimeError(f"plain Accelerate did not wrap the model in DDP ({type(model).__name__})")
     times = []
+    cpu = _ThreadCPU(args)
     try:
         for step in range(args.warmup + args.steps):
             x, y = _models.batch(args.model, args.batch_size, step)
+            if step == args.warmup:
+                cpu.start()
             start = time.perf_counter()
             with accelerator.accumulate(model):
                 loss = F.cross_entropy(model(x), y)
@@ -260,6 +287,9 @@ def _run_accelerate(args, ft: bool) -> list[float]:
                 optimizer.zero_grad()
             if step >= args.warmup:
                 times.append(time.perf_counter() - start)
+        cpu.stop()
+        if ft:
+            _EXTRA["bucket_copies"] = model._ft_hook_state.reducer.copies
     finally:
         accelerator.end_training()
     return times

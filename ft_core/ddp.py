@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -138,9 +138,10 @@ class _CanonicalReducer:
             self._next = 0
 
     def add_bucket(self, buffer: torch.Tensor, params: list[torch.Tensor],
-                   grads: list[torch.Tensor]) -> torch.futures.Future:
+                   grads: list[torch.Tensor] | Callable[[], list[torch.Tensor]]) -> torch.futures.Future:
         """Hand over one DDP bucket's (group-averaged) gradients; the future completes with `buffer`
-        holding the cross-group average once every chunk it touches is reduced."""
+        holding the cross-group average once every chunk it touches is reduced. `grads` (the bucket's
+        views, or a call returning them) is read only when the bucket is not a chunk (the copy path)."""
         with self._lock:
             first = self._chunks[self._where[id(params[0])]] if params and id(params[0]) in self._where else None
             state = _BucketState(buffer, 0)
@@ -157,6 +158,8 @@ class _CanonicalReducer:
                     raise FTError("a DDP bucket holds a parameter this fault-tolerant hook does not know; build the "
                                   "hook from the same module DDP wraps (parameters_to_ignore must match)") from None
                 self.copies += 1
+                if callable(grads):
+                    grads = grads()
                 per_chunk: dict[int, list[tuple[torch.Tensor, int, int]]] = {}
                 for p, g, ci in zip(params, grads, chunk_ids):
                     chunk = self._chunks[ci]
@@ -256,9 +259,9 @@ def _ft_comm_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.F
         state.reducer.reset()
     buffer = bucket.buffer()
     params = bucket.parameters()
+    if state.intra_size <= 1:  # the bucket's gradient views are built only if it takes the copy path
+        return state.reducer.add_bucket(buffer, params, bucket.gradients)
     grads = bucket.gradients()
-    if state.intra_size <= 1:
-        return state.reducer.add_bucket(buffer, params, grads)
 
     out = ft_futures.device_future(ft_futures.devices_of(buffer))  # DDP's wait() orders its stream after it
 

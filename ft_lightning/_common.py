@@ -240,7 +240,7 @@ def capture_rng() -> dict[str, Any]:
     np = sys.modules.get("numpy")
     if np is not None:
         state["numpy"] = np.random.get_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # False without CUDA too; the cheap check, as this runs every step
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 

@@ -19,7 +19,7 @@ from ft_core.errors import ConfigError
 from ft_lightning.accelerate.config import (default_config_path, load_config, resolve_launch_settings,
                                             save_config)
 from ft_lightning.accelerate.plugin import SETTINGS, FaultTolerancePlugin, resolve_settings, settings_to_env
-from ft_lightning.accelerate.state import load_rng_state, rng_state, transport_problem
+from ft_lightning.accelerate.state import capture_rng, load_rng_state, rng_state, transport_problem
 
 from conftest import REPO_ROOT, child_env
 
@@ -239,6 +239,19 @@ def test_rng_states_restore_every_generator():
     load_rng_state({**saved, "python": {**saved["python"], "internal": saved["python"]["internal"].tolist()}})
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
     assert transport_problem(saved) is None
+
+
+def test_rng_captured_at_a_step_start_is_sent_as_it_was_then():
+    """The step start keeps the generators' states as they are (cheap); a heal converts them later, on the
+    quorum thread, after the step has drawn: the peer still gets the step start's states."""
+    import random
+
+    captured = capture_rng()
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())  # the step draws
+    sent = rng_state(captured)  # the source's heal reads it now
+    load_rng_state(sent)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+    assert transport_problem(sent) is None
 
 
 # --- commit gating, in this process against a real lighthouse ---------------------------------------------

@@ -48,6 +48,7 @@ from ft_lightning.accelerate.data import (
 from ft_lightning.accelerate.plugin import FaultTolerancePlugin
 from ft_lightning.accelerate.state import (
     EpochAlignedLoader,
+    capture_rng,
     check_transport_safe,
     load_rng_state,
     rng_state,
@@ -130,12 +131,12 @@ class FaultTolerantAccelerator(Accelerator):
         self._ft_final_step = 0
         logger.info("replica group %s, group rank %d/%d: %s", self.ft.replica_group_id, self.process_index,
                     self.num_processes, self.ft.describe())
-        self._ft_rng_at_window_start: dict[str, Any] = rng_state()
+        self._ft_rng_at_window_start: dict[str, Any] = capture_rng()
         attach_console()  # one line per membership change, heal and failed step on the console
         self.ft_manager = self._create_manager()
         # The source sends its state from the quorum thread in the middle of its step: the RNG states
         # it sends are those captured at the start of that step's window (never read mid-forward).
-        self.ft_manager.register_state_dict_fn("rng", load_rng_state, lambda: self._ft_rng_at_window_start)
+        self.ft_manager.register_state_dict_fn("rng", load_rng_state, lambda: rng_state(self._ft_rng_at_window_start))
         if self.scaler is not None:
             self.ft_manager.register_state_dict_fn("scaler", self.scaler.load_state_dict, self.scaler.state_dict)
         # accelerator.save_state / load_state carry the step and the data position too (data.py).
@@ -201,7 +202,7 @@ class FaultTolerantAccelerator(Accelerator):
         window = self._ft_window
         if window.quorum_started and window.committed is None:
             return
-        self._ft_rng_at_window_start = rng_state()
+        self._ft_rng_at_window_start = capture_rng()  # converted for sending only when a heal reads it
         for loader in self._ft_loaders:
             loader.on_step_start()
         self.ft_manager.start_quorum()

@@ -52,20 +52,31 @@ def check_transport_safe(value: Any, what: str) -> None:
                           f"of those")
 
 
-def rng_state() -> dict[str, Any]:
-    """Every RNG a training step may draw from: Python, numpy, torch CPU and CUDA (when initialized)."""
-    version, internal, gauss = random.getstate()
-    numpy_state = np.random.get_state(legacy=False)
+def capture_rng() -> dict[str, Any]:
+    """Every RNG a training step may draw from (Python, numpy, torch CPU and CUDA when initialized), as
+    the libraries return them: cheap enough for every step start; `rng_state` converts it for sending."""
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(legacy=False),
+                             "torch": torch.get_rng_state()}
+    if torch.cuda.is_initialized():  # False without CUDA too
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
+    return state
+
+
+def rng_state(captured: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`captured` (default: the RNGs now, `capture_rng`) as a healing peer receives it: tensors and numbers."""
+    raw = capture_rng() if captured is None else captured
+    version, internal, gauss = raw["python"]
+    numpy_state = raw["numpy"]
     state: dict[str, Any] = {
         "python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
         "numpy": {"bit_generator": numpy_state["bit_generator"],
                   "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
                   "pos": int(numpy_state["state"]["pos"]), "has_gauss": int(numpy_state["has_gauss"]),
                   "gauss": float(numpy_state["gauss"])},
-        "torch": torch.get_rng_state(),
+        "torch": raw["torch"],
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = list(torch.cuda.get_rng_state_all())
+    if "cuda" in raw:
+        state["cuda"] = raw["cuda"]
     return state
 
 
