@@ -352,6 +352,36 @@ def test_a_broken_streams_late_quorum_call_does_not_revive_it_until_a_new_stream
     assert sorted(woken) == ["a", "a", "b"]
 
 
+def test_fast_quorum_is_issued_at_the_last_join_after_a_quorum_that_left_a_live_member_out() -> None:
+    # The core skips decide() on a join while a live member of the previous quorum has not joined
+    # (rule 4 would wait for it). Once a quorum without that member is issued, it is no straggler of
+    # the new one: the next round's last join must issue the fast quorum itself, not leave it to a tick.
+    core = LighthouseCore(LighthouseConfig(min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=30_000))
+    streams = {rid: object() for rid in "abc"}
+    for rid, token in streams.items():
+        core.stream_opened(rid, token)
+    first = [Waiter(QuorumMember(rid), lambda: None) for rid in "abc"]
+    for waiter in first:
+        core.join(waiter)
+    assert first[0].issued is not None and first[0].issued.quorum.replica_ids == ["a", "b", "c"]
+    for waiter in first:
+        core.leave(waiter)
+    second = [Waiter(QuorumMember(rid), lambda: None) for rid in "ab"]
+    for waiter in second:
+        core.join(waiter)
+    assert second[1].issued is None, "c is alive and in the previous quorum: the round waits for it"
+    core.stream_closed("c", streams["c"], "broke (connection dropped)")  # c is dropped: {a, b} issued
+    assert second[1].issued is not None and second[1].issued.quorum.replica_ids == ["a", "b"]
+    for waiter in second:
+        core.leave(waiter)
+    core.stream_opened("c", object())  # c reconnects, alive but not joining (it is busy elsewhere)
+    third = [Waiter(QuorumMember(rid), lambda: None) for rid in "ab"]
+    for waiter in third:
+        core.join(waiter)
+    assert third[1].issued is not None, "the fast quorum of {a, b} waited for a tick"
+    assert third[1].issued.quorum.replica_ids == ["a", "b"]
+
+
 @pytest.mark.timeout(60)
 def test_silent_member_is_excluded_after_heartbeat_timeout_and_comes_back(processes) -> None:
     timeout_ms, tick_ms = 500, 50

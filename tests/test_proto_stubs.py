@@ -1,4 +1,5 @@
-"""The committed protobuf/gRPC stubs match ft_core/control/proto/ft.proto (regenerate: python scripts/gen_proto.py)."""
+"""The committed protobuf/gRPC stubs match ft_core/control/proto/ft.proto (regenerate: python scripts/gen_proto.py),
+and the control plane's values (ft_core.control.types) survive the wire unchanged."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from ft_core.control.proto import ft_pb2
+from ft_core.control.types import Quorum, QuorumMember
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,3 +38,19 @@ def test_stubs_expose_the_services_of_the_design() -> None:
     notices = manager.methods_by_name["PeerLostNotices"]
     assert notices.server_streaming and not notices.client_streaming
     assert hasattr(ft_pb2_grpc, "LighthouseServiceStub") and hasattr(ft_pb2_grpc, "ManagerServiceStub")
+
+
+@pytest.mark.parametrize("member", [
+    QuorumMember("a"),
+    QuorumMember("b", address="10.0.0.2:1", store_address="10.0.0.2:2", step=7, world_size=4, shrink_only=True,
+                 data='{"k": 1}', commit_failures=2, last_quorum_id=9, unreachable=("c", "d"), commit_quorum_id=8,
+                 last_quorum_replica_ids=("a", "b", "c"), rebuild=True),
+    QuorumMember("c", unreachable=("a",)),
+    QuorumMember("d", last_quorum_replica_ids=("d",)),
+], ids=["defaults", "every field", "unreachable only", "last quorum only"])
+def test_quorum_member_and_quorum_survive_the_wire(member: QuorumMember) -> None:
+    decoded = QuorumMember.from_pb(ft_pb2.QuorumMember.FromString(member.to_pb().SerializeToString()))
+    assert decoded == member
+    assert type(decoded.unreachable) is tuple and type(decoded.last_quorum_replica_ids) is tuple
+    quorum = Quorum(3, (member, QuorumMember("z", step=1)), created_unix_ms=5)
+    assert Quorum.from_pb(ft_pb2.Quorum.FromString(quorum.to_pb().SerializeToString())) == quorum

@@ -71,6 +71,12 @@ class _StreamPoll:
             self.future.set_result(None)
 
 
+def _expire(future: asyncio.Future) -> None:
+    """A stream poll's deadline passed: wake its coroutine, which finds the poll unsettled."""
+    if not future.done():
+        future.set_result(None)
+
+
 def stream_loop() -> asyncio.AbstractEventLoop:
     """The process's event loop for heartbeat streams (and the manager servers' gRPC), started on first use.
     Each call holds the loop until a matching `release_stream_loop()`; the last release ends its thread."""
@@ -453,19 +459,28 @@ class HeartbeatStreamHandle:
         return self._answer(poll, timeout_s)
 
     async def quorum_async(self, member: QuorumMember, timeout_s: float) -> Quorum:
-        """`quorum()` for a coroutine on the stream loop itself (the manager server's): no thread hop at all."""
-        poll = _StreamPoll(asyncio.get_running_loop().create_future())
+        """`quorum()` for a coroutine on the stream loop itself (the manager server's): no thread hop at all.
+
+        The stream's reader settles the poll's future and this coroutine resumes on the next turn of the
+        loop; its deadline is a timer on that same future (asyncio.wait_for would add a waiter future and
+        a done callback: two more turns of the loop per round)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        poll = _StreamPoll(future)
         outbox, request_id, message = self._register(member, timeout_s, poll)
         self._send(outbox, message)
-        assert poll.future is not None
+        # The lighthouse answers by its own deadline (timeout_ms); a little slack covers the way back.
+        deadline = loop.call_later(timeout_s + 1.0, _expire, future)
         try:
-            await asyncio.wait_for(poll.future, timeout_s + 1.0)
-        except asyncio.TimeoutError:
-            raise self._timed_out(request_id, timeout_s) from None
+            await future
         except asyncio.CancelledError:
             with self._lock:
                 self._polls.pop(request_id, None)
             raise
+        finally:
+            deadline.cancel()
+        if not poll.done.is_set():
+            raise self._timed_out(request_id, timeout_s)
         return self._answer(poll, timeout_s)
 
     def stop(self, timeout: timedelta | float = 5.0) -> None:

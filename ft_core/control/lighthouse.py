@@ -37,7 +37,7 @@ from ft_core.control.lighthouse_peers import PeerWatch
 from ft_core.control.lighthouse_state import CLEAN_EXIT, LighthouseConfig, LighthouseCore, Waiter
 from ft_core.control.proto import ft_pb2
 from ft_core.control.quorum import member_problem, replica_id_problem
-from ft_core.control.rpc import SERVER_OPTIONS, AsyncTokenAuthInterceptor, add_server_port
+from ft_core.control.rpc import SERVER_OPTIONS, TokenCheckingHandler, add_server_port
 from ft_core.control.types import QuorumMember
 from ft_core.net import dial_host, format_host_port, is_loopback, split_addresses, split_host_port
 
@@ -365,10 +365,8 @@ class LighthouseServer:
 
     async def _start(self) -> int:
         service = _LighthouseService(self.core, self._loop)
-        server = grpc.aio.server(interceptors=[AsyncTokenAuthInterceptor(self.config.token)],
-                                 options=SERVER_OPTIONS)
-        handlers = service.handlers()
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        server.add_generic_rpc_handlers((TokenCheckingHandler(SERVICE, service.handlers(), self.config.token),))
         try:
             port = add_server_port(server, format_host_port(self._host, self._requested_port))  # TLS when FT_TLS_CERT/KEY are set
         except RuntimeError as exc:

@@ -514,6 +514,7 @@ class LighthouseCore:
         if changed:
             self._notified.clear()  # notices concern the current quorum only
         self._prev = quorum
+        self._straggler = None  # a witness of the last quorum's wait, maybe not a member of this one
         self._quorum_id = quorum.quorum_id
         if self._reported:  # its own quorum supersedes what members reported of older ones (rule 10)
             self._reported = {rid: known for rid, known in self._reported.items() if known.quorum_id > quorum.quorum_id}

@@ -10,9 +10,9 @@ same process uses `quorum_local` / `should_commit_local` and skips the gRPC hop;
 `ManagerClient`.
 
 Kill policy: Kill exits the hosting process, so it must be authenticated. With a token set, the
-token interceptor authenticates it and Kill is allowed. Without a token Kill is refused unless
-the server was built with `allow_kill=True` (or FT_ALLOW_KILL=1), which a local demo can set;
-`allow_kill=False` refuses it even with a token.
+server's token check (rpc.TokenCheckingHandler) authenticates it and Kill is allowed. Without a token
+Kill is refused unless the server was built with `allow_kill=True` (or FT_ALLOW_KILL=1), which a local
+demo can set; `allow_kill=False` refuses it even with a token.
 """
 
 from __future__ import annotations

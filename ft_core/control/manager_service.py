@@ -35,8 +35,9 @@ NO_DEADLINE_S = 1e9  # grpcio reports "no deadline" as ~9e18 seconds remaining
 async def start_server(server: Any, bind: str, token: str | None) -> tuple[grpc.aio.Server, int]:
     """Build and start the aio gRPC server of `server` (a ManagerServer) on the running loop: (server, port).
     Port 0 when `bind` could not be bound."""
-    aio = grpc.aio.server(interceptors=[rpc.AsyncTokenAuthInterceptor(token)], options=rpc.SERVER_OPTIONS)
-    ft_pb2_grpc.add_ManagerServiceServicer_to_server(_ManagerServicer(server), aio)
+    aio = grpc.aio.server(options=rpc.SERVER_OPTIONS)
+    name, handlers = rpc.servicer_handlers(ft_pb2_grpc.add_ManagerServiceServicer_to_server, _ManagerServicer(server))
+    aio.add_generic_rpc_handlers((rpc.TokenCheckingHandler(name, handlers, token),))
     port = rpc.add_server_port(aio, bind)  # TLS when FT_TLS_CERT/FT_TLS_KEY are set
     if port:
         await aio.start()

@@ -43,12 +43,16 @@ class QuorumMember:
     def from_pb(cls, msg: ft_pb2.QuorumMember) -> "QuorumMember":
         # Fills the instance dict in one call: a frozen dataclass's __init__ sets each field through
         # object.__setattr__, which costs 2-3x more (a manager decodes every member of every quorum).
+        # tuple() of a upb repeated field walks it item by item (~0.8 us even when empty, as these two
+        # nearly always are); a slice copies it in one call.
         member = object.__new__(cls)
+        unreachable, reported = msg.unreachable, msg.last_quorum_replica_ids
         member.__dict__.update(replica_id=msg.replica_id, address=msg.address, store_address=msg.store_address,
                                step=msg.step, world_size=msg.world_size, shrink_only=msg.shrink_only, data=msg.data,
                                commit_failures=msg.commit_failures, last_quorum_id=msg.last_quorum_id,
-                               unreachable=tuple(msg.unreachable), commit_quorum_id=msg.commit_quorum_id,
-                               last_quorum_replica_ids=tuple(msg.last_quorum_replica_ids), rebuild=msg.rebuild)
+                               unreachable=tuple(unreachable[:]) if unreachable else (),
+                               commit_quorum_id=msg.commit_quorum_id,
+                               last_quorum_replica_ids=tuple(reported[:]) if reported else (), rebuild=msg.rebuild)
         return member
 
     def without_last_quorum(self) -> "QuorumMember":
