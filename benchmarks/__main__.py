@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import sys
+import threading
 import time
 import traceback
 
@@ -60,13 +61,65 @@ def _call(name: str, quick: bool, smoke: bool = False) -> dict:
     return module.run(quick=quick)
 
 
-def run_one(name: str, quick: bool, smoke: bool = False) -> dict:
-    start = time.monotonic()
+def _busy_cpu_seconds() -> float | None:
+    """CPU seconds every core of the machine has spent busy since boot (/proc/stat), None off Linux."""
     try:
-        result = _call(name, quick, smoke)
-        return {"ok": True, "seconds": round(time.monotonic() - start, 1), "result": result}
+        with open("/proc/stat") as fh:
+            fields = [int(v) for v in fh.readline().split()[1:]]
+    except OSError:
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_seconds() -> float:
+    """CPU seconds of this process and of the children it has waited for (every benchmark waits for its own)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+class ForeignLoad:
+    """The machine's CPU use by processes outside this benchmark run while one benchmark runs: busy CPU of
+    the whole machine minus this process tree's, in cores on average, plus the 1-minute load average seen."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._loads: list[float] = []
+        self._thread = threading.Thread(target=self._sample, name="bench-load", daemon=True)
+
+    def _sample(self) -> None:
+        while True:
+            self._loads.append(os.getloadavg()[0])
+            if self._stop.wait(2.0):
+                return
+
+    def __enter__(self) -> "ForeignLoad":
+        self._wall, self._busy, self._own = time.monotonic(), _busy_cpu_seconds(), _own_cpu_seconds()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.wall = time.monotonic() - self._wall
+        busy = _busy_cpu_seconds()
+        own = _own_cpu_seconds() - self._own
+        self.foreign_cores = (None if busy is None or self._busy is None
+                              else max(busy - self._busy - own, 0.0) / max(self.wall, 1e-9))
+
+    def summary(self) -> dict:
+        return {"foreign_cpu_cores": None if self.foreign_cores is None else round(self.foreign_cores, 2),
+                "load_avg_1min": {"min": min(self._loads, default=0.0), "max": max(self._loads, default=0.0)}}
+
+
+def run_one(name: str, quick: bool, smoke: bool = False) -> dict:
+    load = ForeignLoad()
+    try:
+        with load:
+            result = _call(name, quick, smoke)
+        return {"ok": True, "seconds": round(load.wall, 1), "result": result, "machine_load": load.summary()}
     except Exception as exc:  # a failed benchmark is reported, the others still run
-        return {"ok": False, "seconds": round(time.monotonic() - start, 1),
+        return {"ok": False, "seconds": round(load.wall, 1), "machine_load": load.summary(),
                 "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]}
 
 

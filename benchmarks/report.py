@@ -341,6 +341,16 @@ SECTIONS = {"overhead": ("Healthy-path overhead", _overhead), "quorum_latency": 
             "transfer": ("Heal transfer throughput", _transfer), "capacity": ("Lighthouse capacity", _capacity)}
 
 
+def _load_text(load: dict | None) -> str:
+    """', foreign CPU 0.1 cores, load average 1.9-2.3': what else the machine ran meanwhile."""
+    if not load:
+        return ""
+    foreign = load.get("foreign_cpu_cores")
+    avg = load.get("load_avg_1min") or {}
+    text = f"; CPU used by other processes meanwhile: {foreign:g} cores" if foreign is not None else ""
+    return text + (f"; 1-minute load average {avg['min']:.1f}-{avg['max']:.1f}" if avg else "")
+
+
 def markdown(results: dict) -> str:
     m = results["machine"]
     lines = [f"Run on {m['date']}: {m['cpus']} CPUs ({m['processor']}), {m['platform']}, Python {m['python']}, "
@@ -359,7 +369,7 @@ def markdown(results: dict) -> str:
             lines += [f"Failed after {outcome['seconds']} s: `{outcome['error']}`", ""]
             continue
         lines += render(outcome["result"]) if render else [f"`{outcome['result']}`", ""]
-        lines += [f"({outcome['seconds']} s)", ""]
+        lines += [f"({outcome['seconds']} s{_load_text(outcome.get('machine_load'))})", ""]
     return "\n".join(lines)
 
 
