@@ -88,9 +88,10 @@ def _serve_raw(listener: socket.socket, views: list[memoryview], connections: in
                 sock.sendall(view)
 
     threads = []
-    for index in range(connections):
+    for _ in range(connections):
         sock, _ = listener.accept()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        index = sock.recv(1)[0]  # the share the receiver expects: connections arrive in any order
         threads.append(threading.Thread(target=send, args=(sock, index), name=f"bench-raw-{index}"))
         threads[-1].start()
     for thread in threads:
@@ -98,23 +99,31 @@ def _serve_raw(listener: socket.socket, views: list[memoryview], connections: in
 
 
 def _raw_fetch(port: int, sizes: list[int], buffers: list[memoryview], connections: int) -> None:
+    errors: list[BaseException] = []
+
     def recv(index: int) -> None:
-        with socket.socket() as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-            sock.connect(("127.0.0.1", port))
-            for buf in buffers[index::connections]:
-                got = 0
-                while got < len(buf):
-                    n = sock.recv_into(buf[got:])
-                    if not n:
-                        raise ConnectionError("raw source closed early")
-                    got += n
+        try:
+            with socket.socket() as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+                sock.connect(("127.0.0.1", port))
+                sock.sendall(bytes([index]))  # which share this connection carries
+                for buf in buffers[index::connections]:
+                    got = 0
+                    while got < len(buf):
+                        n = sock.recv_into(buf[got:])
+                        if not n:
+                            raise ConnectionError("raw source closed early")
+                        got += n
+        except BaseException as exc:  # reported by the caller: a short read must not count as a fast one
+            errors.append(exc)
 
     threads = [threading.Thread(target=recv, args=(i,), name=f"bench-raw-recv-{i}") for i in range(connections)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    if errors:
+        raise errors[0]
 
 
 def bench_http(nbytes: int, reps: int) -> dict[str, float]:
