@@ -373,15 +373,22 @@ def on_peer_lost(m: "Manager", quorum_id: int, replica_id: str) -> None:
     """The lighthouse dropped `replica_id` from quorum `quorum_id` (dead, hung or cut off): if this step
     runs in that quorum, fail it and abort its collectives now instead of at their timeout (the vote may
     then redo it). A quorum still forming is checked when it ends (the lighthouse may have issued it
-    just before the loss); a heal in that quorum, which the quorum thread may be waiting on, ends now."""
+    just before the loss); a heal or a process group configure in that quorum, which the quorum thread may
+    be waiting on, ends now."""
     fut = m._quorum_future
     if fut is None or m._closed:
         return
     if not fut.done():
         m._heal_sources.lost(quorum_id, replica_id)  # ft_core.healing: else it waits for the heal timeout
+        # A process group configure for that quorum waits for the lost member at its rendezvous: end it now
+        # (else the quorum thread, and the next quorum, wait for the collective timeout).
+        reason = (f"replica group {replica_id} of quorum {quorum_id} was lost while configuring (the lighthouse "
+                  "dropped it): this step's process group is abandoned, and rebuilt at the next quorum")
+        m._pg.cancel_configure(quorum_id, reason)
 
         def settled(_f: Any) -> None:
             m._heal_sources.forget(quorum_id, replica_id)
+            m._pg.forget_cancel(quorum_id, reason)
             on_peer_lost(m, quorum_id, replica_id)
 
         fut.add_done_callback(settled)

@@ -235,3 +235,40 @@ def test_a_healer_whose_source_dies_before_it_connects_is_released_by_the_notice
     gap = commit_gaps(g2.commits())
     # far under the 5 s heal timeout g2 waited out before (the figure itself is benchmarks/heal.py's)
     assert gap < 3.0, f"group 2: {gap:.2f}s between commits"
+
+
+@pytest.mark.timeout(120)
+def test_a_notice_for_the_quorum_being_configured_releases_the_quorum_thread_at_once():
+    """Group 1 is in the quorum but never joins the Gloo rendezvous (its group is a dummy), so group 0's quorum
+    thread waits in configure for the 30 s timeout. The lighthouse's notice that group 1 is lost, as
+    ft_core.redo.on_peer_lost receives it, ends that configure now: group 0's wait_quorum returns within a few
+    seconds of the notice, with the notice as its error, and its step does not commit."""
+    from conftest import assert_bounded
+
+    from ft_core import redo
+    from ft_core.process_groups import ProcessGroupDummy
+
+    timeout = timedelta(seconds=30)
+    managers: dict[int, Manager] = {}
+    noticed: list[float] = []
+    with LighthouseServer(min_replicas=2, join_timeout_ms=5000) as lighthouse:
+
+        def body(manager: Manager, i: int) -> Any:
+            managers[i] = manager
+            manager.start_quorum()
+            if i == 1:
+                manager.wait_quorum()  # the dummy group configures at once
+                time.sleep(0.5)  # group 0 is in its rendezvous by now
+                noticed.append(time.monotonic())
+                redo.on_peer_lost(managers[0], manager._state.quorum_id, "r1")  # the lighthouse's PeerLost notice
+                return None
+            manager.wait_quorum()
+            assert_bounded(noticed[0], 3.0, "group 0's quorum after the notice")  # not the 30 s timeout
+            return manager.should_commit(), str(manager.errored())
+
+        pgs = {0: ProcessGroupGloo(timeout=timeout), 1: ProcessGroupDummy()}
+        (committed, error), _ = run_groups(2, lighthouse, body, setup=lambda i: {"pg": pgs[i]},
+                                           timeout=timeout, quorum_timeout=timeout, init_sync=False)
+    assert not committed
+    assert "replica group r1 of quorum" in error and "was lost while configuring" in error, error
+    assert not [t for t in threading.enumerate() if t.name == "ft-gloo-configure"]

@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from ft_core.process_groups.base import (
     op_future,
     op_result,
 )
+from ft_core.process_groups.cancel import CancellableStore, ConfigureCancels, run_attempt
 from ft_core.process_groups.gloo_abort import shutdown_sockets, socket_inodes
 from ft_core.process_groups.child import (
     Waiter,
@@ -52,6 +53,8 @@ __all__ = ["ProcessGroupGloo", "ProcessGroupNCCL", "ProcessGroupWrapper", "Proce
 
 # Extra seconds wait() allows past the backend's own op timeout before it gives up by itself.
 WAIT_GRACE_S = 1.0
+# Extra seconds configure() waits for its construction past the store connect and the backend's timeouts.
+CONFIGURE_GRACE_S = 5.0
 
 
 class _BackendWork(dist.Work):
@@ -108,6 +111,9 @@ class ProcessGroupWrapper(ProcessGroup):
     """
 
     BACKEND = "none"
+    # The backend's rendezvous may wait on a CancellableStore (a cancel ends the construction itself);
+    # False: a cancel releases configure() and the construction is discarded when it ends by itself.
+    CANCELLABLE_STORE = False
     _wrapping_class: type | None = None  # set by ft_core.process_groups.wrappers
 
     def __new__(cls, *args: Any, pg: ProcessGroup | None = None, **kwargs: Any) -> "ProcessGroupWrapper":
@@ -122,6 +128,7 @@ class ProcessGroupWrapper(ProcessGroup):
         self._generation = 0
         self._error: Exception | None = None
         self._configure_lock = threading.Lock()
+        self._cancels = ConfigureCancels()
         self._waiter = Waiter(f"ft-{self.BACKEND}-waiter")
 
     def getBackendName(self) -> str:
@@ -141,6 +148,13 @@ class ProcessGroupWrapper(ProcessGroup):
     def _after_issue(self, work: _BackendWork, generation: int) -> None:
         """Called once per issued op (NCCL uses it to arm the op's deadline)."""
 
+    def _claim(self, backend: Any) -> None:
+        """Called when configure() installs `backend` (not for one it discards)."""
+
+    def _construction_setup(self) -> Callable[[], None]:
+        """Called on configure()'s thread; what it returns runs first on the construction's own thread."""
+        return lambda: None
+
     # -- lifecycle ------------------------------------------------------------------------------
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
                   quorum_id: int | None = None, group_rank: int | None = None,
@@ -150,13 +164,32 @@ class ProcessGroupWrapper(ProcessGroup):
             self._drop_backend("reconfigure")
             name = group_label(quorum_id, replica_id, rank)
             started = time.monotonic()
-            try:
+            timeout_s = self._timeout.total_seconds()
+            attempt = self._cancels.begin(quorum_id)
+
+            on_thread = self._construction_setup()
+
+            def build() -> Any:
+                on_thread()
                 store = connect_store(store_addr, self._timeout)
-                backend = self._create_backend(store, host, rank, world_size, name, global_ranks)
+                if self.CANCELLABLE_STORE:
+                    store = CancellableStore(store, attempt, self._timeout)
+                return self._create_backend(store, host, rank, world_size, name, global_ranks)
+
+            try:
+                # store connect + construction, each bounded by the timeout; a cancel ends the wait at once
+                backend = run_attempt(attempt, f"ft-{self.BACKEND}-configure", build, self._discard_backend,
+                                      2 * timeout_s + CONFIGURE_GRACE_S)
             except Exception as exc:
+                if attempt.reason is not None:
+                    raise ProcessGroupError(f"configure {self.getBackendName()} rank {rank}/{world_size} "
+                                            f"at {store_addr}: {attempt.reason}") from exc
                 raise as_error(exc, f"configure {self.getBackendName()} rank {rank}/{world_size} "
-                                    f"at {store_addr} (timeout {self._timeout.total_seconds():.1f}s; "
+                                    f"at {store_addr} (timeout {timeout_s:.1f}s; "
                                     "are all members configuring with the same store prefix?)") from exc
+            finally:
+                self._cancels.end(attempt)
+            self._claim(backend)
             with self._lock:
                 self._backend = backend
                 self._generation += 1
@@ -166,6 +199,20 @@ class ProcessGroupWrapper(ProcessGroup):
             logger.info("process group configured", extra={
                 "backend": self.BACKEND, "quorum_id": quorum_id, "replica_id": replica_id, "rank": rank,
                 "world_size": world_size, "seconds": round(time.monotonic() - started, 3)})
+
+    def cancel_configure(self, quorum_id: int, reason: str) -> None:
+        self._cancels.cancel(quorum_id, reason)
+
+    def forget_cancel(self, quorum_id: int, reason: str) -> None:
+        self._cancels.forget(quorum_id, reason)
+
+    def _discard_backend(self, backend: Any) -> None:
+        """A backend whose configure was abandoned (cancelled or past its deadline): abort it, never install it."""
+        try:
+            backend.abort()
+        except Exception as exc:
+            logger.warning("abort of an abandoned %s backend failed: %s", self.BACKEND, exc)
+        logger.info("abandoned process group discarded", extra={"backend": self.BACKEND})
 
     def _drop_backend(self, reason: str) -> None:
         with self._lock:
@@ -185,6 +232,7 @@ class ProcessGroupWrapper(ProcessGroup):
 
     def shutdown(self) -> None:
         self.unregister()
+        self._cancels.cancel_current(f"{self.getBackendName()} process group was shut down while configuring")
         self._drop_backend("shutdown")
         self._waiter.close(self._timeout.total_seconds() + 2)
 
@@ -238,22 +286,50 @@ class ProcessGroupGloo(ProcessGroupWrapper):
     """
 
     BACKEND = "gloo"
+    CANCELLABLE_STORE = True
 
     def __init__(self, timeout: timedelta | float | None = None) -> None:
         super().__init__(timeout)
         self._owned_sockets: dict[int, str] = {}
+        # id(backend) -> (its sockets, whether another construction overlapped it), until claimed or discarded
+        self._built: dict[int, tuple[dict[int, str], bool]] = {}
 
     def _create_backend(self, store: Any, store_host: str, rank: int, world_size: int, name: str,
                         global_ranks: list[int] | None) -> Any:
         # Bind the local address of the route toward the store (loopback for a loopback store);
         # GLOO_SOCKET_IFNAME, when set, wins (child.gloo_devices).
         hostname = gloo_bind_address(store_host) or ""
-        before = socket_inodes()
-        backend = new_backend("gloo", store, rank, world_size, self._timeout, self._timeout, hostname, name,
-                              global_ranks)
-        after = socket_inodes()
-        self._owned_sockets = {fd: t for fd, t in after.items() if before.get(fd) != t}
+        with _BUILDS_LOCK:
+            overlapped = _BUILDS["running"] > 0
+            _BUILDS["running"] += 1
+            _BUILDS["started"] += 1
+            mine = _BUILDS["started"]
+        try:
+            before = socket_inodes()
+            backend = new_backend("gloo", store, rank, world_size, self._timeout, self._timeout, hostname, name,
+                                  global_ranks)
+            after = socket_inodes()
+        finally:
+            with _BUILDS_LOCK:
+                _BUILDS["running"] -= 1
+                overlapped = overlapped or _BUILDS["started"] != mine
+        owned = {fd: t for fd, t in after.items() if before.get(fd) != t}
+        with self._lock:
+            self._built[id(backend)] = (owned, overlapped)
         return backend
+
+    def _claim(self, backend: Any) -> None:
+        with self._lock:
+            self._owned_sockets = self._built.pop(id(backend), ({}, False))[0]
+
+    def _discard_backend(self, backend: Any) -> None:
+        """Abort an abandoned backend and shut its connections down (the peers' ops on them fail at once),
+        unless another construction overlapped it: the socket diff could then hold that one's sockets."""
+        with self._lock:
+            owned, overlapped = self._built.pop(id(backend), ({}, False))
+        if owned and not overlapped:
+            shutdown_sockets(owned)
+        super()._discard_backend(backend)
 
     def _drop_backend(self, reason: str) -> None:
         owned, self._owned_sockets = self._owned_sockets, {}
@@ -261,6 +337,12 @@ class ProcessGroupGloo(ProcessGroupWrapper):
             closed = shutdown_sockets(owned)
             logger.info("gloo abort shut down %d connection(s)", closed, extra={"backend": self.BACKEND})
         super()._drop_backend(reason)
+
+
+# Gloo constructions in flight in this process: one overlapped by another cannot tell its sockets (the
+# socket-inode diff) from the other's.
+_BUILDS_LOCK = threading.Lock()
+_BUILDS = {"running": 0, "started": 0}
 
 
 class _AcceleratorGroup(ProcessGroupWrapper):
@@ -284,6 +366,14 @@ class _AcceleratorGroup(ProcessGroupWrapper):
         if self._device is not None and self._device.index is not None:
             return self._device
         return torch.device(self.DEVICE, self._device_module().current_device())
+
+    def _construction_setup(self) -> Callable[[], None]:
+        # The construction runs on a thread of its own: the device current on the configuring thread is its default.
+        module = getattr(torch, self.DEVICE, None)
+        if module is None or not module.is_available():
+            return lambda: None  # _create_backend says why this group cannot run here
+        device = self._current_device()
+        return lambda: module.set_device(device)
 
     def _devices(self, args: tuple) -> list[torch.device] | None:
         """The devices of the op's tensors (its future is made for them), else the group's device."""

@@ -284,6 +284,14 @@ class ProcessGroup(_C10dProcessGroup):
         """Rebuild the group for a new membership; blocks until it is up or raises."""
         raise ProcessGroupError(f"{type(self).__name__} cannot be configured")
 
+    def cancel_configure(self, quorum_id: int, reason: str) -> None:
+        """A configure for quorum `quorum_id`, in flight or starting before `forget_cancel(quorum_id, reason)`,
+        raises ProcessGroupError(reason) at once (a member of that quorum is lost and will never join it).
+        Never blocks. This default does nothing: configure() ends at its own timeout."""
+
+    def forget_cancel(self, quorum_id: int, reason: str) -> None:
+        """Undo `cancel_configure(quorum_id, reason)` for later configures."""
+
     def abort(self) -> None:
         """Stop the current group at once (pending ops fail); configure() builds a new one."""
 

@@ -58,6 +58,12 @@ class ProcessGroupDelegate(ProcessGroup):
         self._pg.configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size,
                            global_ranks)
 
+    def cancel_configure(self, quorum_id: int, reason: str) -> None:
+        self._pg.cancel_configure(quorum_id, reason)
+
+    def forget_cancel(self, quorum_id: int, reason: str) -> None:
+        self._pg.forget_cancel(quorum_id, reason)
+
     def abort(self) -> None:
         self._pg.abort()
 
