@@ -12,9 +12,8 @@ survivors' next quorum may need it: more than half of the healthy replicas, ligh
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -22,6 +21,7 @@ import torch
 
 from ft_core import net
 from ft_core import step_rules as rules
+from ft_core.cancels import Attempt, QuorumCancels
 from ft_core.control.manager_client import ManagerClient
 from ft_core.control.recovery import QuorumResult
 from ft_core.errors import CheckpointError, FTError
@@ -63,18 +63,12 @@ class FetchedHeal:
         return self.nbytes / max(self.transfer_seconds, 1e-9) / 1e6
 
 
-@dataclass
-class _Heal:
+class _Heal(Attempt):
     """The heal in flight: its quorum, its source, and why it was abandoned (None while it goes on)."""
 
-    quorum_id: int
-    source: str  # the source's replica id
-    stop: threading.Event = field(default_factory=threading.Event)
-    reason: str | None = None
-
-    def check(self) -> None:
-        if self.reason is not None:
-            raise FTError(self.reason)
+    def __init__(self, quorum_id: int, source: str) -> None:
+        super().__init__(quorum_id)
+        self.source = source  # the source's replica id
 
 
 class HealSources:
@@ -84,37 +78,24 @@ class HealSources:
         self._connect_timeout = connect_timeout
         self._token = token
         self._clients: dict[str, ManagerClient] = {}
-        self._lock = threading.Lock()
-        self._lost: list[tuple[int, str]] = []  # notices heard while the quorum thread works (see `lost`)
-        self._heal: _Heal | None = None
+        self._cancels: QuorumCancels[_Heal] = QuorumCancels(_abandoned_because)
 
     def lost(self, quorum_id: int, replica_id: str) -> None:
         """The lighthouse dropped `replica_id` from quorum `quorum_id` while this rank's quorum thread still
         works on its quorum (ft_core.redo.on_peer_lost): a heal in that quorum, in flight or starting before
         `forget`, is abandoned. Never blocks (called on a notice thread)."""
-        with self._lock:
-            self._lost.append((quorum_id, replica_id))
-            heal = self._heal
-        if heal is not None and heal.quorum_id == quorum_id:
-            _abandon(heal, replica_id)
+        self._cancels.cancel(quorum_id, replica_id)
 
     def forget(self, quorum_id: int, replica_id: str) -> None:
         """The quorum thread's run that heard this notice ended: later heals are not concerned."""
-        with self._lock:
-            if (quorum_id, replica_id) in self._lost:
-                self._lost.remove((quorum_id, replica_id))
+        self._cancels.forget(quorum_id, replica_id)
 
     def fetch(self, result: QuorumResult, group_rank: int, transport: Any, timeout: timedelta) -> FetchedHeal:
         """The checkpoint of result.max_step from this rank's source (raises on any failure, and at once
         when the lighthouse says a member of the quorum is lost, `lost`)."""
         rank = result.recover_src_replica_rank
         source = result.replica_ids[rank] if rank is not None and rank < len(result.replica_ids) else ""
-        heal = _Heal(result.quorum_id, source or result.recover_src_manager_address)
-        with self._lock:
-            self._heal = heal
-            lost = [rid for qid, rid in self._lost if qid == result.quorum_id]
-        if lost:
-            _abandon(heal, lost[0])
+        heal = self._cancels.begin(_Heal(result.quorum_id, source or result.recover_src_manager_address))
         try:
             return self._fetch(heal, result, group_rank, transport, timeout)
         except Exception as exc:
@@ -122,8 +103,7 @@ class HealSources:
                 raise
             raise FTError(heal.reason) from exc
         finally:
-            with self._lock:
-                self._heal = None
+            self._cancels.end(heal)
 
     def _fetch(self, heal: _Heal, result: QuorumResult, group_rank: int, transport: Any,
                timeout: timedelta) -> FetchedHeal:
@@ -165,13 +145,11 @@ class HealSources:
         self._clients.clear()
 
 
-def _abandon(heal: _Heal, lost: str) -> None:
-    """Make the heal's waits end now (the connect to its source checks `stop`) with the notice as its error."""
-    if heal.reason is None:
-        what = "heal source replica group" if lost == heal.source else "replica group"
-        heal.reason = (f"{what} {lost} of quorum {heal.quorum_id} was lost (the lighthouse dropped it): this "
-                       f"step's heal is abandoned, and done again at the next quorum")
-    heal.stop.set()
+def _abandoned_because(heal: _Heal, lost: str) -> str:
+    """A heal's error when the lighthouse says member `lost` of its quorum is gone (its waits end now)."""
+    what = "heal source replica group" if lost == heal.source else "replica group"
+    return (f"{what} {lost} of quorum {heal.quorum_id} was lost (the lighthouse dropped it): this step's heal is "
+            f"abandoned, and done again at the next quorum")
 
 
 def load_healed_state(heal: FetchedHeal, state_fns: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]]

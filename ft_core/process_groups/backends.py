@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ft_core.cancels import QuorumCancels
 from ft_core.errors import FTTimeoutError, ProcessGroupError
 from ft_core.process_groups.base import (
     Deadlines,
@@ -33,7 +34,7 @@ from ft_core.process_groups.base import (
     op_future,
     op_result,
 )
-from ft_core.process_groups.cancel import CancellableStore, ConfigureCancels, run_attempt
+from ft_core.process_groups.cancel import CancellableStore, ConfigureAttempt, run_attempt
 from ft_core.process_groups.gloo_abort import shutdown_sockets, socket_inodes
 from ft_core.process_groups.child import (
     Waiter,
@@ -128,7 +129,7 @@ class ProcessGroupWrapper(ProcessGroup):
         self._generation = 0
         self._error: Exception | None = None
         self._configure_lock = threading.Lock()
-        self._cancels = ConfigureCancels()
+        self._cancels: QuorumCancels[ConfigureAttempt] = QuorumCancels()  # keys are the reasons
         self._waiter = Waiter(f"ft-{self.BACKEND}-waiter")
 
     def getBackendName(self) -> str:
@@ -165,7 +166,7 @@ class ProcessGroupWrapper(ProcessGroup):
             name = group_label(quorum_id, replica_id, rank)
             started = time.monotonic()
             timeout_s = self._timeout.total_seconds()
-            attempt = self._cancels.begin(quorum_id)
+            attempt = self._cancels.begin(ConfigureAttempt(quorum_id))
 
             on_thread = self._construction_setup()
 

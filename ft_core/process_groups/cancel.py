@@ -17,84 +17,29 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from ft_core.cancels import Attempt
 from ft_core.errors import FTTimeoutError, ProcessGroupError
 
-__all__ = ["Attempt", "CancellableStore", "ConfigureCancels", "run_attempt"]
+__all__ = ["CancellableStore", "ConfigureAttempt", "run_attempt"]
 
 # How often a rendezvous wait asks the store again (it starts at the low end and backs off).
 POLL_S = (0.001, 0.01)
 
 
-class Attempt:
+class ConfigureAttempt(Attempt):
     """One configure: its quorum, why it was cancelled (None while it goes on), and its construction."""
 
+    error = ProcessGroupError
+
     def __init__(self, quorum_id: int | None) -> None:
-        self.quorum_id = quorum_id
-        self.reason: str | None = None
-        self.stop = threading.Event()  # set on cancel: the construction's waits end
-        self.wake = threading.Event()  # set on cancel or when the construction ends: the caller's wait ends
-        self._lock = threading.Lock()
+        super().__init__(quorum_id)
         self._finished = False
         self._abandoned = False
         self._result: Any = None
         self._error: BaseException | None = None
 
-    def cancel(self, reason: str) -> None:
-        """Never blocks (called on a notice thread)."""
-        with self._lock:
-            if self.reason is None:
-                self.reason = reason
-        self.stop.set()
-        self.wake.set()
 
-    def check(self) -> None:
-        if self.reason is not None:
-            raise ProcessGroupError(self.reason)
-
-
-class ConfigureCancels:
-    """Cancellations by quorum id, heard while the quorum thread works (a configure for that quorum, in
-    flight or starting before `forget`, ends at once), and the configure in flight."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pending: list[tuple[int, str]] = []
-        self._current: Attempt | None = None
-
-    def cancel(self, quorum_id: int, reason: str) -> None:
-        with self._lock:
-            self._pending.append((quorum_id, reason))
-            current = self._current
-        if current is not None and current.quorum_id == quorum_id:
-            current.cancel(reason)
-
-    def cancel_current(self, reason: str) -> None:
-        with self._lock:
-            current = self._current
-        if current is not None:
-            current.cancel(reason)
-
-    def forget(self, quorum_id: int, reason: str) -> None:
-        with self._lock:
-            if (quorum_id, reason) in self._pending:
-                self._pending.remove((quorum_id, reason))
-
-    def begin(self, quorum_id: int | None) -> Attempt:
-        attempt = Attempt(quorum_id)
-        with self._lock:
-            self._current = attempt
-            reasons = [reason for qid, reason in self._pending if qid == quorum_id]
-        if reasons:
-            attempt.cancel(reasons[0])
-        return attempt
-
-    def end(self, attempt: Attempt) -> None:
-        with self._lock:
-            if self._current is attempt:
-                self._current = None
-
-
-def run_attempt(attempt: Attempt, thread_name: str, build: Callable[[], Any], discard: Callable[[Any], None],
+def run_attempt(attempt: ConfigureAttempt, thread_name: str, build: Callable[[], Any], discard: Callable[[Any], None],
                 deadline_s: float) -> Any:
     """Run `build` on a thread of its own; its result, or its error. A cancel (or `deadline_s` passing first)
     raises at once instead, and abandons the construction: if it returns a backend later, `discard` gets it
@@ -148,7 +93,7 @@ class CancellableStore(dist.Store):
     constructor then fails at once and its thread ends). Waits poll `check`: a blocking wait on the inner
     store could not be woken, and TCPStore logs every timed-out slice of a sliced one."""
 
-    def __init__(self, inner: dist.Store, attempt: Attempt, timeout: timedelta) -> None:
+    def __init__(self, inner: dist.Store, attempt: ConfigureAttempt, timeout: timedelta) -> None:
         super().__init__()
         self._inner = inner
         self._attempt = attempt
