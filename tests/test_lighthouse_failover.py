@@ -411,7 +411,10 @@ def test_a_peer_with_another_token_is_no_candidate_and_the_refusal_is_reported(c
         member.quorum(QuorumMember("m", step=5), timeout=timedelta(seconds=10))  # it holds a live member
         with caplog.at_level(logging.WARNING, logger="ft_core.control.lighthouse"), \
                 LighthouseServer(bind=addr[0], token="ours", http_bind=None, peers=addr) as ours:
-            wait_until(lambda: "refused the Peer call" in caplog.text, 10, "the refusal to be logged")
+            # The refusal is logged as the peer answers; the status shows it once that round of asks ends.
+            wait_until(lambda: "refused the Peer call" in caplog.text
+                       and any(p["address"] == addr[1] for p in ours.core.status()["peers"]),
+                       10, "the refusal to be logged and shown in the status")
             peers = {p["address"]: p for p in ours.core.status()["peers"]}
             assert "UNAUTHENTICATED" in peers[addr[1]]["problem"] and not peers[addr[1]]["reachable"], peers
             assert ours.core.status()["standing_by_for"] == "", "a peer it cannot authenticate to must not win"
