@@ -82,7 +82,7 @@ def _start_group(impl: str, replica_id: str, lighthouse_addr: str) -> GroupHandl
         from ft_core.control.manager_server import ManagerClient, ManagerServer
 
         server = ManagerServer(replica_id, lighthouse_addr, world_size=1)
-        client = ManagerClient(server.address())
+        client = ManagerClient(server.address(), frames_addr=server.frames_address())
 
         def close() -> None:
             client.close()
@@ -111,8 +111,9 @@ def _start_group(impl: str, replica_id: str, lighthouse_addr: str) -> GroupHandl
 
 
 def _start_async_group(replica_id: str, lighthouse_addr: str) -> GroupHandle:
-    """Our group driven without a thread: a grpc.aio stub of ManagerService (the RPC ManagerClient.quorum
-    makes) on the loop that also runs the process's manager servers and heartbeat streams.
+    """Our group driven without a thread: the call ManagerClient.quorum makes (ManagerService.Quorum), sent
+    from a coroutine on the loop that also runs the process's manager servers and heartbeat streams, on the
+    frames wire a ManagerClient uses (ft_core.control.frames; FT_FRAMES=0: a grpc.aio stub instead).
 
     With a thread per simulated group, a Python process hosting many groups measures its own GIL
     hand-offs (each woken thread waits up to the 5 ms switch interval); torchft's members are Rust
@@ -122,6 +123,7 @@ def _start_async_group(replica_id: str, lighthouse_addr: str) -> GroupHandle:
 
     import grpc
 
+    from ft_core.control.frames import AsyncFrameClient
     from ft_core.control.heartbeat_stream import stream_loop
     from ft_core.control.manager_server import ManagerServer
     from ft_core.control.proto import ft_pb2, ft_pb2_grpc
@@ -130,21 +132,36 @@ def _start_async_group(replica_id: str, lighthouse_addr: str) -> GroupHandle:
     server = ManagerServer(replica_id, lighthouse_addr, world_size=1)
     loop = stream_loop()
     timeout_s = CALL_TIMEOUT.total_seconds()
+    if server.frames_address():
+        wire = AsyncFrameClient(server.frames_address(), None, f"manager server {replica_id}")
 
-    async def open_stub() -> tuple[Any, Any]:
-        channel = grpc.aio.insecure_channel(server.address(), options=CHANNEL_OPTIONS)
-        await channel.channel_ready()
-        return channel, ft_pb2_grpc.ManagerServiceStub(channel)
+        async def call(request: Any) -> Any:
+            return ft_pb2.ManagerQuorumResponse.FromString(
+                await wire.call("Quorum", request.SerializeToString(), timeout_s))
 
-    channel, stub = asyncio.run_coroutine_threadsafe(open_stub(), loop).result(10)
+        async def close_wire() -> None:
+            await wire.close()
+    else:
+        async def open_stub() -> tuple[Any, Any]:
+            channel = grpc.aio.insecure_channel(server.address(), options=CHANNEL_OPTIONS)
+            await channel.channel_ready()
+            return channel, ft_pb2_grpc.ManagerServiceStub(channel)
+
+        channel, stub = asyncio.run_coroutine_threadsafe(open_stub(), loop).result(10)
+
+        async def call(request: Any) -> Any:
+            return await stub.Quorum(request, timeout=timeout_s)
+
+        async def close_wire() -> None:
+            await channel.close()
 
     async def quorum(step: int) -> int:
         request = ft_pb2.ManagerQuorumRequest(group_rank=0, step=step, checkpoint_metadata="", shrink_only=False,
                                               init_sync=True)
-        return (await stub.Quorum(request, timeout=timeout_s)).quorum_id
+        return (await call(request)).quorum_id
 
     def close() -> None:
-        asyncio.run_coroutine_threadsafe(channel.close(), loop).result(10)
+        asyncio.run_coroutine_threadsafe(close_wire(), loop).result(10)
         server.shutdown()
 
     return quorum, lambda: server._heartbeat.wait_connected(10.0), close

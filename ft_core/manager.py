@@ -37,12 +37,7 @@ from ft_core.control.manager_client import ManagerClient
 from ft_core.control.manager_server import ManagerServer
 from ft_core.buffers import broadcast_by_sum
 from ft_core.healing import FetchedHeal, HealSources, apply_heal
-from ft_core.errors import (
-    CommitError,
-    ConfigError,
-    FTError,
-    FTTimeoutError,
-)
+from ft_core.errors import CommitError, ConfigError, FTError, FTTimeoutError
 from ft_core.managed_work import ManagedWork
 from ft_core.manager_config import ManagerConfig, WorldSizeMode, env_int, resolve_config
 from ft_core.control.recovery import QuorumResult
@@ -150,8 +145,8 @@ class Manager:
                                          world_size=cfg.group_world_size, heartbeat_interval=cfg.heartbeat_interval,
                                          connect_timeout=cfg.connect_timeout, quorum_retries=cfg.quorum_retries,
                                          token=cfg.token)
-            store.set("replica_id", self._replica_id)
-            store.set("manager_addr", self._server.address())
+            store.multi_set(["replica_id", "manager_addr", "manager_frames_addr"],
+                            [self._replica_id, self._server.address(), self._server.frames_address()])
         else:
             try:
                 store.wait(["manager_addr", "replica_id"], cfg.connect_timeout)
@@ -159,8 +154,9 @@ class Manager:
                 raise FTTimeoutError(f"group rank {cfg.group_rank}: group rank 0 did not publish its manager "
                                      f"server address in the TCPStore {self._store_address} within "
                                      f"{cfg.connect_timeout.total_seconds():.3g}s ({exc}); is rank 0 running?") from None
-            self._replica_id = store.get("replica_id").decode()
-            self._client = ManagerClient(store.get("manager_addr").decode(), cfg.connect_timeout, token=cfg.token)
+            self._replica_id, addr, frames_addr = (v.decode() for v in store.multi_get(
+                ["replica_id", "manager_addr", "manager_frames_addr"]))
+            self._client = ManagerClient(addr, cfg.connect_timeout, token=cfg.token, frames_addr=frames_addr)
         # the lighthouse's PeerLost notices fail this quorum's step at once; rank 0's server forwards them to the others
         (self._server or self._client).add_failure_listener(functools.partial(redo.on_peer_lost, self))  # ft_core.redo
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -152,3 +153,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+# ------------------------------------------------------------------ TLS test certificates
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory) -> dict[str, str]:
+    """A self-signed certificate for 127.0.0.1 (its own CA), made with the openssl command."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is needed to make test certificates")
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = str(folder / "cert.pem"), str(folder / "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", key, "-out", cert, "-days", "2", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"], check=True, capture_output=True)
+    return {"FT_TLS_CERT": cert, "FT_TLS_KEY": key, "FT_TLS_CA": cert}
+
+
+@pytest.fixture
+def tls_env(certs, monkeypatch):
+    for var, value in certs.items():
+        monkeypatch.setenv(var, value)
+    return certs

@@ -30,11 +30,21 @@ def lighthouse() -> Iterator[LighthouseServer]:
         yield server
 
 
-@pytest.fixture
-def group(lighthouse: LighthouseServer) -> Iterator[tuple[ManagerServer, list[ManagerClient]]]:
-    """A replica group of two ranks: its server and one client per rank."""
+WIRES = ["grpc", "frames"]  # the same calls on gRPC and on the frames wire (ft_core.control.frames)
+
+
+def frames_of(server: ManagerServer, wire: str) -> str:
+    """The frames address a client of `wire` is given ("": it keeps to gRPC)."""
+    return server.frames_address() if wire == "frames" else ""
+
+
+@pytest.fixture(params=WIRES)
+def group(request: pytest.FixtureRequest, lighthouse: LighthouseServer
+          ) -> Iterator[tuple[ManagerServer, list[ManagerClient]]]:
+    """A replica group of two ranks: its server and one client per rank, on each wire."""
     with ManagerServer("group_a", lighthouse.address(), store_addr="127.0.0.1:1234", world_size=2) as server:
-        clients = [ManagerClient(server.address()) for _ in range(2)]
+        assert server.frames_address() and server.frames_address() != server.address()
+        clients = [ManagerClient(server.address(), frames_addr=frames_of(server, request.param)) for _ in range(2)]
         try:
             yield server, clients
         finally:
@@ -210,14 +220,15 @@ def test_a_call_without_a_deadline_is_rejected(group: tuple[ManagerServer, list[
         assert "missing deadline" in info.value.details()
 
 
-def test_wrong_or_missing_token_is_rejected_and_the_right_one_works() -> None:
+@pytest.mark.parametrize("wire", WIRES)
+def test_wrong_or_missing_token_is_rejected_and_the_right_one_works(wire: str) -> None:
     with LighthouseServer(min_replicas=1, join_timeout_ms=100, http_bind=None, token="s3cret") as lh, \
             ManagerServer("tok", lh.address(), world_size=1, token="s3cret") as server:
         for token in (None, "wrong"):
-            with ManagerClient(server.address(), token=token) as client:
+            with ManagerClient(server.address(), token=token, frames_addr=frames_of(server, wire)) as client:
                 with pytest.raises(AuthError, match="token"):
                     client.quorum(0, 0, "", False, TIMEOUT)
-        with ManagerClient(server.address(), token="s3cret") as client:
+        with ManagerClient(server.address(), token="s3cret", frames_addr=frames_of(server, wire)) as client:
             result = client.quorum(0, 0, "", False, TIMEOUT)
             assert result.replica_ids == ["tok"]
 
@@ -270,18 +281,18 @@ def test_bad_configuration_is_a_config_error(kwargs: dict[str, Any], message: st
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("path", ["grpc", "local"])
+@pytest.mark.parametrize("path", ["grpc", "frames", "local"])
 def test_shutdown_with_a_lighthouse_long_poll_pending_ends_it_at_once(path: str) -> None:
     """The long poll (50 s left, min_replicas=2 never met) is cancelled: shutdown does not wait for it, and
     the waiting rank gets an error at once instead of at its deadline."""
     with LighthouseServer(min_replicas=2, join_timeout_ms=60_000, http_bind=None) as lighthouse:
         server = ManagerServer("lonely", lighthouse.address(), world_size=1)
-        client = ManagerClient(server.address(), connect_timeout=5)
+        client = ManagerClient(server.address(), connect_timeout=5, frames_addr=frames_of(server, path))
         outcome: list[BaseException | QuorumResult] = []
 
         def join() -> None:
             try:
-                if path == "grpc":
+                if path != "local":
                     outcome.append(client.quorum(0, 0, "", False, timedelta(seconds=50)))
                 else:
                     outcome.append(server.quorum_local(0, 0, "", False, timedelta(seconds=50)))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import time
@@ -227,26 +226,6 @@ def test_request_sizes_are_bounded():
 
 
 # ------------------------------------------------------------------ TLS
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory) -> dict[str, str]:
-    """A self-signed certificate for 127.0.0.1 (its own CA), made with the openssl command."""
-    if shutil.which("openssl") is None:
-        pytest.skip("the openssl command is needed to make test certificates")
-    folder = tmp_path_factory.mktemp("tls")
-    cert, key = str(folder / "cert.pem"), str(folder / "key.pem")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                    "-nodes", "-keyout", key, "-out", cert, "-days", "2", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"], check=True, capture_output=True)
-    return {"FT_TLS_CERT": cert, "FT_TLS_KEY": key, "FT_TLS_CA": cert}
-
-
-@pytest.fixture
-def tls_env(certs, monkeypatch):
-    for var, value in certs.items():
-        monkeypatch.setenv(var, value)
-    return certs
-
 
 def test_tls_settings_are_checked():
     assert not rpc.tls_config().serves_tls and rpc.tls_config().client_roots is None

@@ -8,17 +8,20 @@ A rank > 0 also subscribes here to the lighthouse's PeerLost notices, which only
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 from ft_core import settings
-from ft_core.control import rpc
+from ft_core.control import frames, rpc
 from ft_core.control.notices import NoticeSubscription
 from ft_core.control.proto import ft_pb2, ft_pb2_grpc
 from ft_core.control.recovery import QuorumResult
 from ft_core.errors import ConfigError
+
+logger = logging.getLogger("ft_core.control.manager_client")
 
 __all__ = ["ManagerClient", "result_from_pb", "result_to_pb"]
 
@@ -53,12 +56,15 @@ class ManagerClient:
     """Client of one group's manager server; every call has a deadline and typed errors."""
 
     def __init__(self, addr: str, connect_timeout: timedelta | float = timedelta(seconds=10),
-                 token: str | None = None, stop: threading.Event | None = None) -> None:
-        """Connects (bounded by connect_timeout, or until `stop` is set: rpc.connect)."""
+                 token: str | None = None, stop: threading.Event | None = None, frames_addr: str = "") -> None:
+        """Connects (bounded by connect_timeout, or until `stop` is set: rpc.connect). With `frames_addr` (the
+        server's frames_address()) the unary calls go on the frames wire (ft_core.control.frames)."""
         self._addr = rpc.normalize_address(addr)
         if not self._addr:
             raise ConfigError("ManagerClient needs the manager server address (host:port)")
         self._token = settings.value("FT_TOKEN", token) or None
+        self._frames = frames.FrameClient(frames_addr, self._token, f"manager server {frames_addr}") \
+            if frames_addr and frames.enabled() else None
         self._channel = rpc.connect(self._addr, connect_timeout, call_name=f"connect to manager server {self._addr}",
                                     stop=stop)
         self._stub = ft_pb2_grpc.ManagerServiceStub(self._channel)
@@ -79,7 +85,15 @@ class ManagerClient:
         """True once the server has registered this client's subscription (False without a listener)."""
         return self._notices is not None and self._notices.wait_subscribed(rpc.seconds(timeout))
 
-    def _call(self, method: Any, request: Any, name: str, timeout: timedelta | float) -> Any:
+    def _call(self, method: Any, request: Any, name: str, timeout: timedelta | float, response: Any) -> Any:
+        wire = self._frames
+        if wire is not None:
+            try:
+                return response.FromString(wire.call(name, request.SerializeToString(), max(rpc.seconds(timeout), 0.001)))
+            except frames.FramesUnreachable as exc:  # a firewall between ranks, say: keep to the gRPC port
+                logger.warning("%s; using the gRPC port %s from now on", exc, self._addr)
+                self._frames = None
+                wire.close()
         return rpc.call(method, request, peer=f"manager server {self._addr}", name=name, timeout=timeout,
                         token=self._token)
 
@@ -91,7 +105,7 @@ class ManagerClient:
                                               checkpoint_metadata=checkpoint_metadata, shrink_only=shrink_only,
                                               init_sync=init_sync, commit_failures=commit_failures,
                                               commit_quorum_id=commit_quorum_id, rebuild=rebuild)
-        return result_from_pb(self._call(self._stub.Quorum, request, "Quorum", timeout))
+        return result_from_pb(self._call(self._stub.Quorum, request, "Quorum", timeout, ft_pb2.ManagerQuorumResponse))
 
     def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: timedelta | float) -> bool:
         """The group-wide commit decision for `step` (AND of every rank's vote)."""
@@ -102,21 +116,24 @@ class ManagerClient:
         """(AND of the ranks' votes, of their `healed` bits, of their `redoable` bits (ft_core.redo)) for `step`."""
         request = ft_pb2.ShouldCommitRequest(group_rank=group_rank, step=step, should_commit=should_commit,
                                              healed=healed, redoable=redoable)
-        response = self._call(self._stub.ShouldCommit, request, "ShouldCommit", timeout)
+        response = self._call(self._stub.ShouldCommit, request, "ShouldCommit", timeout, ft_pb2.ShouldCommitResponse)
         return response.should_commit, response.all_healed, response.all_redoable
 
     def checkpoint_metadata(self, group_rank: int, timeout: timedelta | float) -> str:
         """The checkpoint transport address that `group_rank` of this group registered."""
         request = ft_pb2.CheckpointMetadataRequest(group_rank=group_rank)
-        return self._call(self._stub.CheckpointMetadata, request, "CheckpointMetadata", timeout).checkpoint_metadata
+        return self._call(self._stub.CheckpointMetadata, request, "CheckpointMetadata", timeout,
+                          ft_pb2.CheckpointMetadataResponse).checkpoint_metadata
 
     def kill(self, msg: str, timeout: timedelta | float) -> None:
         """Ask the server's process to exit (needs the token, see the module docstring)."""
-        self._call(self._stub.Kill, ft_pb2.KillRequest(msg=msg), "Kill", timeout)
+        self._call(self._stub.Kill, ft_pb2.KillRequest(msg=msg), "Kill", timeout, ft_pb2.KillResponse)
 
     def close(self) -> None:
         if self._notices is not None:
             self._notices.close()
+        if self._frames is not None:
+            self._frames.close()
         self._channel.close()
 
     def __enter__(self) -> ManagerClient:

@@ -116,6 +116,7 @@ class ManagerServer:
             if not port:
                 raise ConfigError(f"manager server could not bind {cfg.bind!r}; pick a free port or port 0")
             self._address = net.format_host_port(cfg.hostname, port)
+            self._frames, self._frames_address = manager_service.open_frames(self, self._loop)
             try:
                 self._start_heartbeats()
             except BaseException:
@@ -137,6 +138,10 @@ class ManagerServer:
     def address(self) -> str:
         """`host:port` of this server, with the configured hostname."""
         return self._address
+
+    def frames_address(self) -> str:
+        """`host:port` of the same calls on the frames wire ("" when not served: FT_FRAMES=0)."""
+        return self._frames_address
 
     @property
     def replica_id(self) -> str:
@@ -188,7 +193,8 @@ class ManagerServer:
 
     def _stop_server(self, grace: float | None) -> None:
         try:
-            asyncio.run_coroutine_threadsafe(manager_service.stop_server(self._server, grace), self._loop).result(5)
+            asyncio.run_coroutine_threadsafe(manager_service.stop_server(self._server, grace, self._frames),
+                                             self._loop).result(5)
         except Exception:  # keep shutting down the rest; record why this part failed
             logger.exception("manager server of replica group %s did not stop cleanly", self.replica_id)
 

@@ -13,13 +13,15 @@ ft_core.control.notices) lives on the loop too.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 
-from ft_core.control import notices, rpc
+from ft_core import net, settings
+from ft_core.control import frames, notices, rpc
 from ft_core.control.manager_client import result_to_pb
 from ft_core.control.manager_rounds import QuorumRound
 from ft_core.control.proto import ft_pb2, ft_pb2_grpc
@@ -27,7 +29,9 @@ from ft_core.control.recovery import QuorumResult
 from ft_core.control.types import Quorum
 from ft_core.errors import FTError, FTTimeoutError, JobFinishedError, RPCError
 
-__all__ = ["start_server", "stop_server"]
+logger = logging.getLogger("ft_core.control.manager_server")
+
+__all__ = ["open_frames", "start_server", "stop_server"]
 
 NO_DEADLINE_S = 1e9  # grpcio reports "no deadline" as ~9e18 seconds remaining
 
@@ -44,7 +48,29 @@ async def start_server(server: Any, bind: str, token: str | None) -> tuple[grpc.
     return aio, port
 
 
-async def stop_server(aio: grpc.aio.Server, grace: float) -> None:
+def open_frames(server: Any, loop: asyncio.AbstractEventLoop) -> tuple[frames.FrameServer | None, str]:
+    """Serve the same unary calls on the frames wire too (ft_core.control.frames), on the bind host and the
+    server's loop: (frame server, its `hostname:port`); (None, "") when FT_FRAMES=0 or the port cannot be
+    bound (logged: the group's ranks then keep to gRPC)."""
+    if not frames.enabled():
+        return None, ""
+    cfg = server.config
+    host, _ = net.split_host_port(cfg.bind, "manager bind address")
+    port = settings.value("FT_MANAGER_FRAMES_PORT", None)
+    _, handlers = rpc.servicer_handlers(ft_pb2_grpc.add_ManagerServiceServicer_to_server, _ManagerServicer(server))
+    wire = frames.FrameServer(handlers, cfg.token)
+    try:
+        bound = asyncio.run_coroutine_threadsafe(wire.start(host, port), loop).result(30)
+    except OSError as exc:
+        logger.warning("replica group %s: frames port %s could not be bound (%s); its ranks use gRPC only "
+                       "(set FT_MANAGER_FRAMES_PORT to a free port, or 0)", cfg.replica_id, port, exc)
+        return None, ""
+    return wire, net.format_host_port(cfg.hostname, bound)
+
+
+async def stop_server(aio: grpc.aio.Server, grace: float | None, wire: frames.FrameServer | None) -> None:
+    if wire is not None:
+        await wire.stop()
     await aio.stop(grace)
 
 

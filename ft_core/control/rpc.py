@@ -73,7 +73,7 @@ def token_matches(expected: str | None, metadata: Any) -> bool:
     return hmac.compare_digest(presented.encode(), f"Bearer {expected}".encode())
 
 
-_UNAUTHENTICATED = "missing or wrong token: set FT_TOKEN (or token=) to the job's shared token"
+TOKEN_REFUSED = "missing or wrong token: set FT_TOKEN (or token=) to the job's shared token"
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
@@ -111,10 +111,10 @@ class TokenCheckingHandler(grpc.GenericRpcHandler):
         self._token = token
 
         async def deny_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, TOKEN_REFUSED)
 
         async def deny_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, TOKEN_REFUSED)
             yield b""  # pragma: no cover - abort raises; this only makes it an async generator
 
         self._deny_unary = grpc.unary_unary_rpc_method_handler(deny_unary)
@@ -162,6 +162,12 @@ def map_rpc_error(err: grpc.RpcError, *, peer: str, call: str, timeout_s: float 
     """Turn a grpc.RpcError into FTTimeoutError / AuthError / RPCError with an actionable message."""
     code = err.code() if hasattr(err, "code") else None
     details = err.details() if hasattr(err, "details") else str(err)
+    return map_status(code, details, peer=peer, call=call, timeout_s=timeout_s)
+
+
+def map_status(code: grpc.StatusCode | None, details: str, *, peer: str, call: str,
+               timeout_s: float | None = None) -> Exception:
+    """The error a call that ended with status `code` raises (any wire: gRPC, or frames)."""
     where = f"{call} to {peer}"
     if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
         budget = f" after {timeout_s:.3g}s" if timeout_s is not None else ""

@@ -1,0 +1,168 @@
+"""The frames wire (ft_core.control.frames): the manager server's unary calls on a plain TCP port beside
+gRPC. The calls' behaviour on both wires is tested by test_manager_server (its group fixture runs every
+test on each); here what only this wire has: its handshake, its bounds, TLS, the fallback to gRPC, and
+a port that cannot be reached or is switched off."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import grpc
+import pytest
+from conftest import assert_bounded, run_calls
+
+from ft_core.control import frames
+from ft_core.control.lighthouse import LighthouseServer
+from ft_core.control.manager_server import ManagerClient, ManagerServer, QuorumResult
+from ft_core.control.proto import ft_pb2
+from ft_core.errors import AuthError, FTTimeoutError, RPCError
+
+TIMEOUT = timedelta(seconds=5)
+
+
+@pytest.fixture
+def lighthouse() -> Iterator[LighthouseServer]:
+    with LighthouseServer(min_replicas=1, join_timeout_ms=100, http_bind=None) as server:
+        yield server
+
+
+def raw_reply(address: str, data: bytes) -> tuple[grpc.StatusCode, str]:
+    """Send `data` to a frames port; the status and details of its answer."""
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(data)
+        (length,) = struct.unpack("!I", sock.recv(4, socket.MSG_WAITALL))
+        code, details, _ = frames.parse_reply(sock.recv(length, socket.MSG_WAITALL))
+        assert sock.recv(1) == b"", "a refused connection is closed"
+    return code, details
+
+
+def test_a_client_that_does_not_greet_or_sends_a_huge_frame_is_refused_and_others_keep_working(
+        lighthouse: LighthouseServer) -> None:
+    with ManagerServer("g", lighthouse.address()) as server:
+        address = server.frames_address()
+        assert raw_reply(address, frames._frame(b"GET / HTTP/1.1")) == (grpc.StatusCode.UNIMPLEMENTED,
+                                                                          "not a frames client (wrong magic)")
+        code, details = raw_reply(address, struct.pack("!I", frames.MAX_FRAME + 1))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "over" in details
+        unknown = frames.hello(None) + frames.request_frame("Nope", b"", 1.0)
+        host, port = address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(unknown)
+            (length,) = struct.unpack("!I", sock.recv(4, socket.MSG_WAITALL))
+            code, details, _ = frames.parse_reply(sock.recv(length, socket.MSG_WAITALL))
+            assert code == grpc.StatusCode.UNIMPLEMENTED and "'Nope'" in details
+        with ManagerClient(server.address(), frames_addr=address) as client:
+            assert client.quorum(0, 0, "", False, TIMEOUT).replica_ids == ["g"]
+
+
+def test_concurrent_calls_of_one_client_each_get_their_own_answer(lighthouse: LighthouseServer) -> None:
+    """Two ranks' calls through one client at once (two connections): both answered, one round."""
+    with ManagerServer("pair", lighthouse.address(), world_size=2) as server, \
+            ManagerClient(server.address(), frames_addr=server.frames_address()) as client:
+        results = run_calls([lambda r=r: client.quorum(r, 4, f"m{r}", False, TIMEOUT) for r in range(2)])
+        plans = [r for r, _ in results]
+        assert all(isinstance(p, QuorumResult) for p in plans), plans
+        assert plans[0].quorum_id == plans[1].quorum_id and plans[0].max_step == 4
+        votes = run_calls([lambda r=r: client.vote_round(r, 4, r == 0, False, TIMEOUT) for r in range(2)])
+        assert [v for v, _ in votes] == [(False, False, False)] * 2
+
+
+def test_an_unreachable_frames_port_falls_back_to_grpc_with_a_warning(
+        lighthouse: LighthouseServer, caplog: pytest.LogCaptureFixture) -> None:
+    with socket.socket() as closed:  # a port nobody listens on: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{closed.getsockname()[1]}"
+    with ManagerServer("g", lighthouse.address()) as server, \
+            ManagerClient(server.address(), frames_addr=dead) as client, caplog.at_level(logging.WARNING):
+        started = time.monotonic()
+        assert client.quorum(0, 0, "", False, TIMEOUT).replica_ids == ["g"]
+        assert client.should_commit(0, 0, True, TIMEOUT)
+        assert_bounded(started, frames.CONNECT_S + 5)
+    warnings = [r.getMessage() for r in caplog.records if "frames port" in r.getMessage()]
+    assert len(warnings) == 1 and "FT_MANAGER_FRAMES_PORT" in warnings[0] and "gRPC port" in warnings[0], warnings
+
+
+def test_frames_off_serves_and_uses_grpc_only(lighthouse: LighthouseServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FT_FRAMES", "0")
+    with ManagerServer("g", lighthouse.address()) as server:
+        assert server.frames_address() == ""
+        with ManagerClient(server.address(), frames_addr="127.0.0.1:1") as client:  # ignored when off
+            assert client._frames is None
+            assert client.quorum(0, 0, "", False, TIMEOUT).replica_ids == ["g"]
+
+
+def test_a_fixed_frames_port_is_used_and_a_taken_one_keeps_the_group_on_grpc(
+        lighthouse: LighthouseServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setenv("FT_MANAGER_FRAMES_PORT", str(taken.getsockname()[1]))
+        with caplog.at_level(logging.WARNING), ManagerServer("g", lighthouse.address()) as server:
+            assert server.frames_address() == ""
+            with ManagerClient(server.address(), frames_addr=server.frames_address()) as client:
+                assert client.quorum(0, 0, "", False, TIMEOUT).replica_ids == ["g"]
+        assert any("could not be bound" in r.getMessage() for r in caplog.records)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+    monkeypatch.setenv("FT_MANAGER_FRAMES_PORT", str(free))
+    with ManagerServer("h", lighthouse.address()) as server:
+        assert server.frames_address() == f"127.0.0.1:{free}"
+
+
+def test_a_stopped_server_fails_a_waiting_call_at_once_and_the_next_call_clearly(
+        lighthouse: LighthouseServer) -> None:
+    """A rank waits for its group's second rank; the server stops: the waiting call ends now, not at
+    its deadline, and a later call gets an error naming the peer within the connect bound."""
+    server = ManagerServer("g2", lighthouse.address(), world_size=2)
+    client = ManagerClient(server.address(), frames_addr=server.frames_address())
+    outcome: list[object] = []
+    caller = threading.Thread(target=lambda: outcome.append(_catch(client.quorum, 0, 0, "", False, 30.0)),
+                              name="frames-waiting-rank")
+    try:
+        caller.start()
+        time.sleep(0.3)
+        started = time.monotonic()
+        server.shutdown()
+        caller.join(15)
+        assert not caller.is_alive() and isinstance(outcome[0], RPCError), outcome
+        assert_bounded(started, 10, "the waiting call's end")
+        started = time.monotonic()
+        with pytest.raises((RPCError, FTTimeoutError), match="manager server"):
+            client.quorum(0, 1, "", False, 30.0)
+        assert_bounded(started, frames.CONNECT_S + 12, "the call to a stopped server")
+    finally:
+        server.shutdown()
+        client.close()
+        caller.join(30)
+
+
+def _catch(fn, *args):  # noqa: ANN001, ANN002, ANN202 - a thread's outcome, value or error
+    try:
+        return fn(*args)
+    except Exception as exc:  # recorded for the assertion
+        return exc
+
+
+def test_the_frames_wire_uses_tls_when_the_job_does(tls_env: dict[str, str]) -> None:
+    with LighthouseServer(min_replicas=1, join_timeout_ms=0, http_bind=None, token="tok") as lh, \
+            ManagerServer("tls", lh.address(), world_size=1, token="tok") as server:
+        with ManagerClient(server.address(), token="tok", frames_addr=server.frames_address()) as client:
+            assert client.quorum(0, 0, "", False, TIMEOUT).replica_ids == ["tls"]
+            assert client._frames is not None, "the call fell back to gRPC"
+        with ManagerClient(server.address(), token="wrong", frames_addr=server.frames_address()) as client:
+            with pytest.raises(AuthError, match="token"):
+                client.quorum(0, 1, "", False, TIMEOUT)
+        plain = frames.FrameClient(server.frames_address(), "tok", "plain", tls=frames.rpc.TLSConfig())
+        started = time.monotonic()
+        with pytest.raises((RPCError, FTTimeoutError)):  # plaintext to a TLS port is never served
+            plain.call("ShouldCommit", ft_pb2.ShouldCommitRequest(group_rank=0, step=0).SerializeToString(), 3.0)
+        assert_bounded(started, 8, "a plaintext call to a TLS port")
+        plain.close()
