@@ -147,6 +147,8 @@ SETTINGS: tuple[Setting, ...] = (
             "serve and use the manager's per-step calls on a plain framed TCP port beside gRPC (0: gRPC only)"),
     Setting("manager_frames_port", "FT_MANAGER_FRAMES_PORT", parse_int, 0, "integer",
             "port of the manager server's frames wire (0: chosen by the OS); open it too between hosts"),
+    Setting("lighthouse_frames_port", "FT_LIGHTHOUSE_FRAMES_PORT", parse_int, 0, "integer",
+            "port of the lighthouse's frames wire for the heartbeat streams (0: chosen by the OS); open it too"),
     Setting("allow_kill", "FT_ALLOW_KILL", parse_bool, None, "boolean",
             "allow the Kill call without a token (local demos); unset: allowed exactly when a token is set"),
     Setting("tls_cert", "FT_TLS_CERT", parse_str, None, "path",

@@ -166,3 +166,75 @@ def test_the_frames_wire_uses_tls_when_the_job_does(tls_env: dict[str, str]) -> 
             plain.call("ShouldCommit", ft_pb2.ShouldCommitRequest(group_rank=0, step=0).SerializeToString(), 3.0)
         assert_bounded(started, 8, "a plaintext call to a TLS port")
         plain.close()
+
+
+# ------------------------------------------------------------------ the lighthouse's heartbeat streams
+
+
+def stream_of(server: ManagerServer):  # noqa: ANN201 - the group's HeartbeatStreamHandle
+    return server._heartbeat
+
+
+def test_heartbeat_streams_and_their_quorums_go_on_the_lighthouse_frames_port() -> None:
+    with LighthouseServer(min_replicas=2, join_timeout_ms=5_000, http_bind=None) as lighthouse, \
+            ManagerServer("a", lighthouse.address()) as a, ManagerServer("b", lighthouse.address()) as b:
+        assert lighthouse.frames_port
+        for server in (a, b):
+            assert server.wait_heartbeat_connected(10)
+            handle = stream_of(server)
+            assert handle._frames_ports == {lighthouse.address(): lighthouse.frames_port}
+            assert not handle._channels, "an idle gRPC channel was kept beside the frames stream"
+        plans = run_calls([lambda s=s: ManagerClient(s.address(), frames_addr=s.frames_address()).quorum(
+            0, 0, "", False, TIMEOUT) for s in (a, b)])
+        assert [p.replica_ids for p, _ in plans] == [["a", "b"], ["a", "b"]], plans
+        assert all(m["replica_id"] in ("a", "b") for m in lighthouse.core.status()["members"])
+
+
+def test_a_member_whose_stream_drops_is_lost_at_once_on_the_frames_wire() -> None:
+    """The other member gets its PeerLost notice as on gRPC: the dropped connection is the death."""
+    lost: list[tuple[int, str]] = []
+    got = threading.Event()
+    with LighthouseServer(min_replicas=2, join_timeout_ms=5_000, http_bind=None) as lighthouse, \
+            ManagerServer("keep", lighthouse.address()) as keep:
+        keep.add_failure_listener(lambda q, r: (lost.append((q, r)), got.set()))
+        gone = ManagerServer("gone", lighthouse.address())
+        try:
+            plans = run_calls([lambda s=s: s.quorum_local(0, 0, "", False, TIMEOUT) for s in (keep, gone)])
+            assert [p.replica_ids for p, _ in plans] == [["gone", "keep"]] * 2, plans
+            handle = stream_of(gone)
+            started = time.monotonic()
+            with handle._lock:
+                call = handle._call
+            handle._loop.call_soon_threadsafe(call.cancel)  # the connection drops, no goodbye
+            assert got.wait(10), "no PeerLost notice"
+            assert_bounded(started, 3, "the PeerLost notice")
+            assert lost[0][1] == "gone"
+        finally:
+            gone.shutdown()
+
+
+def test_an_unreachable_lighthouse_frames_port_keeps_the_stream_on_grpc(
+        lighthouse: LighthouseServer, caplog: pytest.LogCaptureFixture) -> None:
+    import asyncio
+
+    asyncio.run_coroutine_threadsafe(lighthouse._frames.stop(), lighthouse._loop).result(10)  # port refuses now
+    with caplog.at_level(logging.WARNING), ManagerServer("g", lighthouse.address()) as server:
+        assert server.wait_heartbeat_connected(10)
+        assert stream_of(server)._frames_ports == {lighthouse.address(): 0}
+        with ManagerClient(server.address(), frames_addr=server.frames_address()) as client:
+            assert client.quorum(0, 0, "", False, TIMEOUT).replica_ids == ["g"]
+    warnings = [r.getMessage() for r in caplog.records if "frames port" in r.getMessage()]
+    assert warnings and "FT_LIGHTHOUSE_FRAMES_PORT" in warnings[0], warnings
+
+
+@pytest.mark.parametrize("side", ["lighthouse", "member"])
+def test_frames_off_on_either_side_keeps_the_stream_on_grpc(side: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if side == "lighthouse":
+        monkeypatch.setenv("FT_FRAMES", "0")
+    with LighthouseServer(min_replicas=1, join_timeout_ms=100, http_bind=None) as lh:
+        monkeypatch.setenv("FT_FRAMES", "0" if side == "member" else "1")
+        assert bool(lh.frames_port) == (side == "member")
+        with ManagerServer("g", lh.address()) as server:
+            assert server.wait_heartbeat_connected(10)
+            assert stream_of(server)._frames_ports.get(lh.address(), 0) == 0
+            assert server.quorum_local(0, 0, "", False, TIMEOUT).replica_ids == ["g"]

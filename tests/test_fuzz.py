@@ -320,3 +320,69 @@ def test_lighthouse_http_survives_random_http(lighthouse):
     fuzz()
     reply = http_exchange(port, b"GET /status HTTP/1.0\r\n\r\n")
     assert reply.startswith(b"HTTP/1.0 200") and b'"quorum_id"' in reply
+
+
+# ------------------------------------------------------------------ the frames ports (ft_core.control.frames)
+
+MANAGER_METHODS = ["Quorum", "ShouldCommit", "CheckpointMetadata", "Kill", "PeerLostNotices", "Nope", ""]
+
+
+def frames_exchange(port: int, payload: bytes, half_close: bool = True) -> grpc.StatusCode | None:
+    """Send bytes to a frames port (then half-close: the server ends the connection once it has answered
+    what it got) and read the first answer: its status (None: closed or quiet). Fails on an unclean
+    status or a slow answer."""
+    from ft_core.control import frames
+
+    count()
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
+        try:
+            sock.sendall(payload)
+            if half_close:
+                sock.shutdown(socket.SHUT_WR)
+            sock.settimeout(1.0)
+            head = sock.recv(4, socket.MSG_WAITALL)
+            if len(head) < 4:
+                return None
+            body = sock.recv(int.from_bytes(head, "big"), socket.MSG_WAITALL)
+        except (TimeoutError, ConnectionError, OSError):
+            return None
+    assert time.monotonic() - started < ANSWER_BOUND_S + 3
+    if body[:1] in (frames.STREAM_HEADERS, frames.STREAM_MESSAGE):
+        return grpc.StatusCode.OK
+    code, details, _ = frames.parse_reply(body[1:] if body[:1] == frames.STREAM_END else body)
+    assert code == grpc.StatusCode.OK or code in CLEAN or code == grpc.StatusCode.UNIMPLEMENTED, \
+        f"unclean status {code}: {details}"
+    return code
+
+
+def test_frames_ports_survive_random_bytes_and_malformed_frames(lighthouse, manager_server):
+    from ft_core.control import frames
+
+    def hello_then(name: str, payload: bytes, timeout_ms: int) -> bytes:
+        method = name.encode()
+        return frames.hello(None) + frames._frame(timeout_ms.to_bytes(4, "big") + bytes([len(method)]) + method
+                                                  + payload)
+
+    ports = {"lighthouse": lighthouse.frames_port, "manager": int(manager_server.frames_address().rsplit(":", 1)[1])}
+
+    @FUZZ
+    @given(target=st.sampled_from(sorted(ports)), raw=st.binary(max_size=2048), name=st.sampled_from(
+        MANAGER_METHODS + ["HeartbeatStream", "Heartbeat"]), timeout_ms=st.integers(0, 300),
+        framed=st.booleans(), stream_tail=st.binary(max_size=256))
+    def fuzz(target, raw, name, timeout_ms, framed, stream_tail):
+        port = ports[target]
+        frames_exchange(port, raw)  # anything at all
+        if framed:  # a greeted connection and a random request (for a stream: then a random message)
+            assert frames_exchange(port, hello_then(name, raw, timeout_ms) + frames._frame(stream_tail),
+                                   half_close=False) is not None, "a greeted request got no answer"
+
+    fuzz()
+    assert_lighthouse_serves(lighthouse)
+    client = frames.FrameClient(manager_server.frames_address(), None, "fuzzed manager")
+    try:
+        reply = client.call("ShouldCommit", ft_pb2.ShouldCommitRequest(group_rank=0, step=2, should_commit=True)
+                            .SerializeToString(), 10.0)
+        assert ft_pb2.ShouldCommitResponse.FromString(reply).should_commit
+    finally:
+        client.close()

@@ -51,7 +51,7 @@ _LENGTH = struct.Struct("!I")
 _REQUEST = struct.Struct("!IB")  # timeout_ms, method name length
 _REPLY = struct.Struct("!BH")  # status index, details length
 STREAM_MESSAGE, STREAM_END, STREAM_HEADERS = b"\xf0", b"\xf1", b"\xf2"
-MAX_FRAME = 64 << 20  # a frame longer than this is a protocol error, not a message
+MAX_FRAME = 4 << 20  # as gRPC's message cap: a longer frame is a protocol error, not a message
 CONNECT_S = 2.0  # longest a new connection may take before the call fails (a live peer answers in a round trip)
 IDLE_KEPT = 4  # open connections a client keeps for later calls
 
@@ -59,6 +59,10 @@ IDLE_KEPT = 4  # open connections a client keeps for later calls
 def enabled() -> bool:
     """Whether servers open a frames port and clients use one (FT_FRAMES, default on)."""
     return bool(settings.value("FT_FRAMES", None))
+
+
+def _raw(message: Any) -> Any:
+    return message
 
 
 def _frame(body: bytes) -> bytes:
@@ -125,22 +129,31 @@ class _StreamContext:
 
     def __init__(self, transport: asyncio.Transport, deserialize: Any, serialize: Any) -> None:
         self._transport: asyncio.Transport | None = transport
-        self._deserialize = deserialize
-        self._serialize = serialize
+        self._deserialize = deserialize or _raw
+        self._serialize = serialize or _raw
         self._inbox: asyncio.Queue = asyncio.Queue()  # messages, then grpc.aio.EOF
 
     def received(self, body: bytes) -> None:
-        self._inbox.put_nowait(self._deserialize(body) if body else grpc.aio.EOF)
+        if not body:
+            self._inbox.put_nowait(grpc.aio.EOF)
+            return
+        try:
+            self._inbox.put_nowait(self._deserialize(body))
+        except Exception as exc:  # not the method's message: the stream ends INVALID_ARGUMENT when it gets there
+            self._inbox.put_nowait(_Abort(grpc.StatusCode.INVALID_ARGUMENT, f"a message that does not parse ({exc})"))
 
     def ended(self) -> None:  # the connection dropped: the method reads end-of-stream, as over gRPC
         self._transport = None
         self._inbox.put_nowait(grpc.aio.EOF)
 
     async def read(self) -> Any:
-        return await self._inbox.get()
+        message = await self._inbox.get()
+        if isinstance(message, _Abort):
+            raise message
+        return message
 
     async def requests(self) -> Any:
-        while (message := await self._inbox.get()) is not grpc.aio.EOF:
+        while (message := await self.read()) is not grpc.aio.EOF:
             yield message
 
     async def write(self, message: Any) -> None:
@@ -204,6 +217,9 @@ class _Connection(asyncio.Protocol):
 
     def _start(self, body: bytes) -> None:
         """A request: a unary call answered by a task, or the opening of a stream method."""
+        if len(body) < _REQUEST.size or len(body) < _REQUEST.size + body[_REQUEST.size - 1]:
+            self._refuse(grpc.StatusCode.INVALID_ARGUMENT, f"a request frame of {len(body)} bytes is cut short")
+            return
         timeout_ms, n = _REQUEST.unpack_from(body)
         name = body[_REQUEST.size:_REQUEST.size + n].decode(errors="replace")
         handler = self._server.handlers.get(name)
@@ -251,9 +267,12 @@ class _Connection(asyncio.Protocol):
         try:
             if handler is None or handler.unary_unary is None:
                 raise _Abort(grpc.StatusCode.UNIMPLEMENTED, f"method {name!r} is not served on the frames port")
-            request = handler.request_deserializer(payload)
+            try:
+                request = (handler.request_deserializer or _raw)(payload)
+            except Exception as exc:  # not the method's message
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: a request that does not parse ({exc})") from None
             response = await handler.unary_unary(request, _Context(timeout_ms / 1000))
-            reply = reply_frame(grpc.StatusCode.OK, "", handler.response_serializer(response))
+            reply = reply_frame(grpc.StatusCode.OK, "", (handler.response_serializer or _raw)(response))
         except _Abort as exc:
             reply = reply_frame(exc.code, exc.details)
         except Exception as exc:  # a bug in a handler: the caller gets it as UNKNOWN, the log keeps the trace

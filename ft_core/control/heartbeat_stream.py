@@ -24,12 +24,14 @@ from typing import Any
 
 import grpc
 
+from ft_core.control import frames
+from ft_core.control.frames_stream import FrameStreamCall
 from ft_core.control.job_end import FINISHED_CODE, job_finished_error
 from ft_core.control.proto import ft_pb2
 from ft_core.control.rpc import CHANNEL_OPTIONS, auth_metadata, backoff_delays, channel_credentials, map_rpc_error, seconds, tls_config
 from ft_core.control.types import Quorum, QuorumMember
 from ft_core.errors import FTTimeoutError, RPCError
-from ft_core.net import normalize_address
+from ft_core.net import normalize_address, split_host_port
 
 logger = logging.getLogger("ft_core.control.lighthouse_client")
 
@@ -46,6 +48,7 @@ CLEAN_CLOSE_S = 1.0  # longest stop() waits for the lighthouse to end a half-clo
 HEADERS_WAIT_S = 1.0  # longest a new stream waits for the lighthouse's headers before writing anyway
 LOOP_STOP_S = 2.0  # longest the stream loop's last tasks get to end once its last holder released it
 _METHOD = "/ftl.LighthouseService/HeartbeatStream"
+_HEARTBEAT = "/ftl.LighthouseService/Heartbeat"
 _GOODBYE = object()  # queued by stop(): the writer sends `leaving`, then half-closes the stream
 
 
@@ -179,6 +182,7 @@ class HeartbeatStreamHandle:
         self._loop = _StreamLoop.acquire()  # given back by stop()
         self._holds_loop = True
         self._channels: dict[str, grpc.aio.Channel] = {}  # used on the loop only
+        self._frames_ports: dict[str, int] = {}  # lighthouse address -> its frames port, 0: none (on the loop only)
         self._stopped: asyncio.Event | None = None  # the loop's view of _stop (made on the loop)
         self._task: concurrent.futures.Future | None = None
         self._redirected = False  # the last stream was turned away by a standing-by lighthouse (lighthouse_peers)
@@ -254,8 +258,8 @@ class HeartbeatStreamHandle:
         if channel is not None:
             await channel.close(None)
 
-    async def _stream_once(self, addr: str) -> bool:
-        """Hold one stream to `addr` until it breaks; True when the lighthouse answered at least once."""
+    async def _ready_channel(self, addr: str) -> grpc.aio.Channel | None:
+        """The gRPC channel to `addr` once connected (None, with last_error set, if not within CONNECT_ATTEMPT_S)."""
         channel = self._channels.get(addr)
         if channel is None:
             channel = self._channels[addr] = _aio_channel(addr, CLIENT_CHANNEL_OPTIONS)
@@ -265,15 +269,65 @@ class HeartbeatStreamHandle:
             self.last_error = RPCError(f"HeartbeatStream: could not connect to lighthouse {addr}", peer=addr,
                                        call="LighthouseService.HeartbeatStream", code="UNAVAILABLE")
             await self._drop_channel(addr)
+            return None
+        return channel
+
+    async def _frames_port(self, addr: str) -> int | None:
+        """The port where `addr` serves the stream on the frames wire, asked once per lighthouse (0: none, or
+        FT_FRAMES=0; None: `addr` cannot be reached now). The asking channel is closed after: no idle
+        HTTP/2 connection is kept beside the stream."""
+        if not frames.enabled():
+            return 0
+        if addr not in self._frames_ports:
+            channel = await self._ready_channel(addr)
+            if channel is None:
+                return None
+            ask = ft_pb2.LighthouseHeartbeatRequest(replica_id=self.replica_id, want_frames_port=True)
+            try:
+                answer = await channel.unary_unary(_HEARTBEAT, request_serializer=None,
+                                                   response_deserializer=ft_pb2.LighthouseHeartbeatResponse.FromString)(
+                    ask.SerializeToString(), timeout=CONNECT_ATTEMPT_S, metadata=auth_metadata(self._client._token))
+                self._frames_ports[addr] = answer.frames_port
+            except grpc.RpcError:  # a wrong token, say: the gRPC stream below reports it as it always did
+                self._frames_ports[addr] = 0
+            if self._frames_ports[addr]:
+                await self._drop_channel(addr)
+        return self._frames_ports[addr]
+
+    async def _open_call(self, addr: str) -> Any:
+        """A HeartbeatStream call to `addr`: on the lighthouse's frames port when it serves one, else gRPC.
+        None when `addr` cannot be reached within CONNECT_ATTEMPT_S (last_error says why)."""
+        port = await self._frames_port(addr)
+        if port is None or self._stop.is_set():
+            return None
+        if port:
+            try:
+                return await FrameStreamCall.open(split_host_port(addr, "lighthouse address")[0], port,
+                                                  "HeartbeatStream", self._client._token,
+                                                  ft_pb2.LighthouseHeartbeatResponse.FromString, CONNECT_ATTEMPT_S)
+            except (OSError, asyncio.TimeoutError) as exc:  # a firewall between, say: keep to gRPC for this lighthouse
+                logger.warning("lighthouse %s: its frames port %d cannot be reached (%s); the heartbeat stream of %s "
+                               "uses gRPC (open FT_LIGHTHOUSE_FRAMES_PORT too, or set FT_FRAMES=0)", addr, port,
+                               exc or "timed out", self.replica_id)
+                self._frames_ports[addr] = 0
+        channel = await self._ready_channel(addr)
+        if channel is None or self._stop.is_set():
+            return None
+        return channel.stream_stream(_METHOD, request_serializer=None,
+                                     response_deserializer=ft_pb2.LighthouseHeartbeatResponse.FromString)(
+            metadata=auth_metadata(self._client._token))
+
+    async def _stream_once(self, addr: str) -> bool:
+        """Hold one stream to `addr` until it breaks; True when the lighthouse answered at least once."""
+        call = await self._open_call(addr)
+        if call is None:
             return False
         if self._stop.is_set():
+            call.cancel()
             return False
         loop = asyncio.get_running_loop()
         request = ft_pb2.LighthouseHeartbeatRequest(replica_id=self.replica_id).SerializeToString()
         goodbye = ft_pb2.LighthouseHeartbeatRequest(replica_id=self.replica_id, leaving=True).SerializeToString()
-        call = channel.stream_stream(_METHOD, request_serializer=None,
-                                     response_deserializer=ft_pb2.LighthouseHeartbeatResponse.FromString)(
-            metadata=auth_metadata(self._client._token))
         outbox: asyncio.Queue = asyncio.Queue()
         last_answer = last_write = loop.time()
         outbox.put_nowait(request)
@@ -357,6 +411,7 @@ class HeartbeatStreamHandle:
                 self.last_error = error
                 if getattr(error, "code", "") == "UNAVAILABLE" and not self._redirected:
                     self._client._reset(addr)
+                    self._frames_ports.pop(addr, None)  # a restarted lighthouse has another frames port
                     await self._drop_channel(addr)
         finally:
             timer.cancel()

@@ -32,6 +32,7 @@ import grpc
 
 from ft_core import settings
 from ft_core.errors import ConfigError
+from ft_core.control import frames
 from ft_core.control.lighthouse_http import LighthouseMetrics, StatusHTTPServer
 from ft_core.control.lighthouse_peers import PeerWatch
 from ft_core.control.lighthouse_state import CLEAN_EXIT, LighthouseConfig, LighthouseCore, Waiter
@@ -68,6 +69,7 @@ class _LighthouseService:
         self._loop = loop
         self._loop_thread = threading.get_ident()  # built by _start(), on the loop's own thread
         self._outboxes: dict[str, tuple[object, asyncio.Queue]] = {}  # replica_id -> its open stream's outbox
+        self.frames_port = 0  # where the same service is served on the frames wire (0: it is not)
         core.set_peer_lost_notifier(self._push)
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
@@ -146,6 +148,8 @@ class _LighthouseService:
 
     async def Heartbeat(self, request: ft_pb2.LighthouseHeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> bytes:
+        if request.want_frames_port:  # a stream about to open asks where (ft_core.control.frames): no heartbeat
+            return ft_pb2.LighthouseHeartbeatResponse(frames_port=self.frames_port).SerializeToString()
         problem = replica_id_problem(request.replica_id)
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lighthouse Heartbeat: {problem}")
@@ -342,6 +346,8 @@ class LighthouseServer:
         self._stopped = False
         self._loop = asyncio.new_event_loop()
         self._server: grpc.aio.Server | None = None
+        self._frames: frames.FrameServer | None = None
+        self.frames_port = 0
         self._ticker: asyncio.Task | None = None
         self._peer_watch: PeerWatch | None = None
         self._watcher: asyncio.Task | None = None
@@ -375,6 +381,15 @@ class LighthouseServer:
             raise ConfigError(f"lighthouse could not bind {self.config.bind}; is the port in use?")
         await server.start()
         self._server = server
+        if frames.enabled():  # the heartbeat streams' wire without grpc's thread hops (ft_core.control.frames)
+            self._frames = frames.FrameServer(service.handlers(), self.config.token)
+            try:
+                service.frames_port = await self._frames.start(self._host, settings.value("FT_LIGHTHOUSE_FRAMES_PORT"))
+            except OSError as exc:
+                self._frames = None
+                logger.warning("lighthouse frames port could not be bound (%s); members use gRPC only "
+                               "(set FT_LIGHTHOUSE_FRAMES_PORT to a free port, or 0)", exc)
+        self.frames_port = service.frames_port
         self._ticker = asyncio.get_running_loop().create_task(self._tick_loop(), name="ftl-lighthouse-tick")
         self.core.address = format_host_port(dial_host(self._host), port)
         if self.config.peers:
@@ -399,6 +414,8 @@ class LighthouseServer:
             await asyncio.gather(self._watcher, return_exceptions=True)
         if self._peer_watch is not None:
             await self._peer_watch.close()
+        if self._frames is not None:
+            await self._frames.stop()
         if self._server is not None:
             await self._server.stop(grace)
         # Let every cancelled handler finish before the loop closes (no coroutine left to die at exit).
@@ -442,6 +459,12 @@ class LighthouseServer:
         self.shutdown()
 
 
+def frames_port_for(bind: str) -> str:
+    """`ftl lighthouse`'s default frames port: its gRPC port + 2 (29512 for 29510), "0" when that is 0."""
+    port = split_host_port(bind, "lighthouse bind address")[1]
+    return str(port + 2) if port else "0"
+
+
 def main(argv: list[str]) -> int:
     """`ftl lighthouse`: run the quorum server until SIGINT/SIGTERM."""
     from rich.console import Console
@@ -452,6 +475,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--bind", default=DEFAULT_BIND, help=f"gRPC HOST:PORT (default {DEFAULT_BIND})")
     parser.add_argument("--http-bind", default=DEFAULT_HTTP_BIND,
                         help=f"status page / JSON / metrics HOST:PORT (default {DEFAULT_HTTP_BIND}); 'off' disables")
+    parser.add_argument("--frames-port", default=None,
+                        help="port of the heartbeat streams' frames wire, on the --bind host (default: the --bind "
+                             "port + 2, so 29512, or chosen by the OS when --bind's port is 0; 'off': gRPC only); "
+                             "members ask the lighthouse for it")
     parser.add_argument("--min-replicas", type=int, default=1, help="smallest quorum outside the fast path")
     parser.add_argument("--join-timeout-ms", type=int, default=60_000, help="how long to wait for stragglers")
     parser.add_argument("--quorum-tick-ms", type=int, default=100, help="re-decide this often")
@@ -467,7 +494,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tls-ca", default=None, help="PEM CA that signed the managers' certificates (or FT_TLS_CA)")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     opts = parser.parse_args(argv)
-    for value, var in ((opts.tls_cert, "FT_TLS_CERT"), (opts.tls_key, "FT_TLS_KEY"), (opts.tls_ca, "FT_TLS_CA")):
+    frames_port = None if opts.frames_port == "off" else opts.frames_port or frames_port_for(opts.bind)
+    for value, var in ((opts.tls_cert, "FT_TLS_CERT"), (opts.tls_key, "FT_TLS_KEY"), (opts.tls_ca, "FT_TLS_CA"),
+                       (frames_port, "FT_LIGHTHOUSE_FRAMES_PORT"), ("0" if frames_port is None else None, "FT_FRAMES")):
         if value:  # this process's TLS settings (an FT_TLS_* variable already set still wins, as everywhere)
             os.environ.setdefault(var, value)
     console = Console(stderr=True)
@@ -500,6 +529,7 @@ def main(argv: list[str]) -> int:
     with server:
         http = server.http_address()
         console.print(f"[bold green]lighthouse[/bold green] gRPC [cyan]{server.address()}[/cyan]"
+                      + (f" (frames port {server.frames_port})" if server.frames_port else "")
                       + (f"  status [cyan]{http}/[/cyan]  JSON {http}/status  metrics {http}/metrics" if http else "")
                       + ("  [yellow](token required)[/yellow]" if server.config.token else ""))
         console.print(f"min_replicas={opts.min_replicas} join_timeout_ms={opts.join_timeout_ms} "

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x08\x66t.proto\x12\x03\x66tl\"\xa1\x02\n\x0cQuorumMember\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\rstore_address\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x12\n\nworld_size\x18\x05 \x01(\x04\x12\x13\n\x0bshrink_only\x18\x06 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\t\x12\x17\n\x0f\x63ommit_failures\x18\x08 \x01(\x03\x12\x16\n\x0elast_quorum_id\x18\t \x01(\x03\x12\x13\n\x0bunreachable\x18\n \x03(\t\x12\x18\n\x10\x63ommit_quorum_id\x18\x0b \x01(\x03\x12\x1f\n\x17last_quorum_replica_ids\x18\x0c \x03(\t\x12\x0f\n\x07rebuild\x18\r \x01(\x08\"]\n\x06Quorum\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12\'\n\x0cparticipants\x18\x02 \x03(\x0b\x32\x11.ftl.QuorumMember\x12\x17\n\x0f\x63reated_unix_ms\x18\x03 \x01(\x03\"?\n\x17LighthouseQuorumRequest\x12$\n\trequester\x18\x01 \x01(\x0b\x32\x11.ftl.QuorumMember\"7\n\x18LighthouseQuorumResponse\x12\x1b\n\x06quorum\x18\x01 \x01(\x0b\x32\x0b.ftl.Quorum\"\xf1\x01\n\x1aLighthouseHeartbeatRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07leaving\x18\x02 \x01(\x08\x12\x12\n\nrequest_id\x18\x03 \x01(\x04\x12,\n\x06quorum\x18\x04 \x01(\x0b\x32\x1c.ftl.LighthouseQuorumRequest\x12\x12\n\ntimeout_ms\x18\x05 \x01(\x03\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x15\n\rfinished_step\x18\x07 \x01(\x03\x12\x1a\n\x12\x66inished_quorum_id\x18\x08 \x01(\x03\x12\x13\n\x0bwant_status\x18\t \x01(\x08\"A\n\x08PeerLost\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xa6\x01\n\x1bLighthouseHeartbeatResponse\x12 \n\tpeer_lost\x18\x01 \x01(\x0b\x32\r.ftl.PeerLost\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\x12\x17\n\x0fquorum_response\x18\x03 \x01(\x0c\x12\x12\n\nerror_code\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x15\n\rquorum_status\x18\x06 \x01(\t\"\x91\x01\n\x13LighthousePeerState\x12\x15\n\rlighthouse_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0clive_members\x18\x03 \x01(\x03\x12\x10\n\x08max_step\x18\x04 \x01(\x03\x12\x11\n\tquorum_id\x18\x05 \x01(\x03\x12\x17\n\x0fstanding_by_for\x18\x06 \x01(\t\"\xc1\x01\n\x14ManagerQuorumRequest\x12\x12\n\ngroup_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x1b\n\x13\x63heckpoint_metadata\x18\x03 \x01(\t\x12\x13\n\x0bshrink_only\x18\x04 \x01(\x08\x12\x11\n\tinit_sync\x18\x05 \x01(\x08\x12\x17\n\x0f\x63ommit_failures\x18\x06 \x01(\x03\x12\x18\n\x10\x63ommit_quorum_id\x18\x07 \x01(\x03\x12\x0f\n\x07rebuild\x18\x08 \x01(\x08\"\x99\x03\n\x15ManagerQuorumResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12#\n\x1brecover_src_manager_address\x18\x02 \x01(\t\x12%\n\x18recover_src_replica_rank\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12!\n\x19recover_dst_replica_ranks\x18\x04 \x03(\x03\x12\x15\n\rstore_address\x18\x05 \x01(\t\x12\x10\n\x08max_step\x18\x06 \x01(\x03\x12\x1d\n\x10max_replica_rank\x18\x07 \x01(\x03H\x01\x88\x01\x01\x12\x16\n\x0emax_world_size\x18\x08 \x01(\x03\x12\x14\n\x0creplica_rank\x18\t \x01(\x03\x12\x1a\n\x12replica_world_size\x18\n \x01(\x03\x12\x0c\n\x04heal\x18\x0b \x01(\x08\x12\x17\n\x0f\x63ommit_failures\x18\x0c \x01(\x03\x12\x13\n\x0breplica_ids\x18\r \x03(\tB\x1b\n\x19_recover_src_replica_rankB\x13\n\x11_max_replica_rank\"/\n\x19\x43heckpointMetadataRequest\x12\x12\n\ngroup_rank\x18\x01 \x01(\x03\"9\n\x1a\x43heckpointMetadataResponse\x12\x1b\n\x13\x63heckpoint_metadata\x18\x01 \x01(\t\"p\n\x13ShouldCommitRequest\x12\x15\n\rshould_commit\x18\x01 \x01(\x08\x12\x12\n\ngroup_rank\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0e\n\x06healed\x18\x04 \x01(\x08\x12\x10\n\x08redoable\x18\x05 \x01(\x08\"W\n\x14ShouldCommitResponse\x12\x15\n\rshould_commit\x18\x01 \x01(\x08\x12\x12\n\nall_healed\x18\x02 \x01(\x08\x12\x14\n\x0c\x61ll_redoable\x18\x03 \x01(\x08\"\x1a\n\x0bKillRequest\x12\x0b\n\x03msg\x18\x01 \x01(\t\"\x0e\n\x0cKillResponse\"+\n\x16PeerLostNoticesRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x04\"?\n\x0ePeerLostNotice\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12 \n\tpeer_lost\x18\x02 \x01(\x0b\x32\r.ftl.PeerLost2\xc0\x02\n\x11LighthouseService\x12\x45\n\x06Quorum\x12\x1c.ftl.LighthouseQuorumRequest\x1a\x1d.ftl.LighthouseQuorumResponse\x12N\n\tHeartbeat\x12\x1f.ftl.LighthouseHeartbeatRequest\x1a .ftl.LighthouseHeartbeatResponse\x12X\n\x0fHeartbeatStream\x12\x1f.ftl.LighthouseHeartbeatRequest\x1a .ftl.LighthouseHeartbeatResponse(\x01\x30\x01\x12:\n\x04Peer\x12\x18.ftl.LighthousePeerState\x1a\x18.ftl.LighthousePeerState2\xe1\x02\n\x0eManagerService\x12?\n\x06Quorum\x12\x19.ftl.ManagerQuorumRequest\x1a\x1a.ftl.ManagerQuorumResponse\x12U\n\x12\x43heckpointMetadata\x12\x1e.ftl.CheckpointMetadataRequest\x1a\x1f.ftl.CheckpointMetadataResponse\x12\x43\n\x0cShouldCommit\x12\x18.ftl.ShouldCommitRequest\x1a\x19.ftl.ShouldCommitResponse\x12+\n\x04Kill\x12\x10.ftl.KillRequest\x1a\x11.ftl.KillResponse\x12\x45\n\x0fPeerLostNotices\x12\x1b.ftl.PeerLostNoticesRequest\x1a\x13.ftl.PeerLostNotice0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x08\x66t.proto\x12\x03\x66tl\"\xa1\x02\n\x0cQuorumMember\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\rstore_address\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x12\n\nworld_size\x18\x05 \x01(\x04\x12\x13\n\x0bshrink_only\x18\x06 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\t\x12\x17\n\x0f\x63ommit_failures\x18\x08 \x01(\x03\x12\x16\n\x0elast_quorum_id\x18\t \x01(\x03\x12\x13\n\x0bunreachable\x18\n \x03(\t\x12\x18\n\x10\x63ommit_quorum_id\x18\x0b \x01(\x03\x12\x1f\n\x17last_quorum_replica_ids\x18\x0c \x03(\t\x12\x0f\n\x07rebuild\x18\r \x01(\x08\"]\n\x06Quorum\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12\'\n\x0cparticipants\x18\x02 \x03(\x0b\x32\x11.ftl.QuorumMember\x12\x17\n\x0f\x63reated_unix_ms\x18\x03 \x01(\x03\"?\n\x17LighthouseQuorumRequest\x12$\n\trequester\x18\x01 \x01(\x0b\x32\x11.ftl.QuorumMember\"7\n\x18LighthouseQuorumResponse\x12\x1b\n\x06quorum\x18\x01 \x01(\x0b\x32\x0b.ftl.Quorum\"\x8b\x02\n\x1aLighthouseHeartbeatRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07leaving\x18\x02 \x01(\x08\x12\x12\n\nrequest_id\x18\x03 \x01(\x04\x12,\n\x06quorum\x18\x04 \x01(\x0b\x32\x1c.ftl.LighthouseQuorumRequest\x12\x12\n\ntimeout_ms\x18\x05 \x01(\x03\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x15\n\rfinished_step\x18\x07 \x01(\x03\x12\x1a\n\x12\x66inished_quorum_id\x18\x08 \x01(\x03\x12\x13\n\x0bwant_status\x18\t \x01(\x08\x12\x18\n\x10want_frames_port\x18\n \x01(\x08\"A\n\x08PeerLost\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xbb\x01\n\x1bLighthouseHeartbeatResponse\x12 \n\tpeer_lost\x18\x01 \x01(\x0b\x32\r.ftl.PeerLost\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\x12\x17\n\x0fquorum_response\x18\x03 \x01(\x0c\x12\x12\n\nerror_code\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x15\n\rquorum_status\x18\x06 \x01(\t\x12\x13\n\x0b\x66rames_port\x18\x07 \x01(\x05\"\x91\x01\n\x13LighthousePeerState\x12\x15\n\rlighthouse_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0clive_members\x18\x03 \x01(\x03\x12\x10\n\x08max_step\x18\x04 \x01(\x03\x12\x11\n\tquorum_id\x18\x05 \x01(\x03\x12\x17\n\x0fstanding_by_for\x18\x06 \x01(\t\"\xc1\x01\n\x14ManagerQuorumRequest\x12\x12\n\ngroup_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x1b\n\x13\x63heckpoint_metadata\x18\x03 \x01(\t\x12\x13\n\x0bshrink_only\x18\x04 \x01(\x08\x12\x11\n\tinit_sync\x18\x05 \x01(\x08\x12\x17\n\x0f\x63ommit_failures\x18\x06 \x01(\x03\x12\x18\n\x10\x63ommit_quorum_id\x18\x07 \x01(\x03\x12\x0f\n\x07rebuild\x18\x08 \x01(\x08\"\x99\x03\n\x15ManagerQuorumResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12#\n\x1brecover_src_manager_address\x18\x02 \x01(\t\x12%\n\x18recover_src_replica_rank\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12!\n\x19recover_dst_replica_ranks\x18\x04 \x03(\x03\x12\x15\n\rstore_address\x18\x05 \x01(\t\x12\x10\n\x08max_step\x18\x06 \x01(\x03\x12\x1d\n\x10max_replica_rank\x18\x07 \x01(\x03H\x01\x88\x01\x01\x12\x16\n\x0emax_world_size\x18\x08 \x01(\x03\x12\x14\n\x0creplica_rank\x18\t \x01(\x03\x12\x1a\n\x12replica_world_size\x18\n \x01(\x03\x12\x0c\n\x04heal\x18\x0b \x01(\x08\x12\x17\n\x0f\x63ommit_failures\x18\x0c \x01(\x03\x12\x13\n\x0breplica_ids\x18\r \x03(\tB\x1b\n\x19_recover_src_replica_rankB\x13\n\x11_max_replica_rank\"/\n\x19\x43heckpointMetadataRequest\x12\x12\n\ngroup_rank\x18\x01 \x01(\x03\"9\n\x1a\x43heckpointMetadataResponse\x12\x1b\n\x13\x63heckpoint_metadata\x18\x01 \x01(\t\"p\n\x13ShouldCommitRequest\x12\x15\n\rshould_commit\x18\x01 \x01(\x08\x12\x12\n\ngroup_rank\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0e\n\x06healed\x18\x04 \x01(\x08\x12\x10\n\x08redoable\x18\x05 \x01(\x08\"W\n\x14ShouldCommitResponse\x12\x15\n\rshould_commit\x18\x01 \x01(\x08\x12\x12\n\nall_healed\x18\x02 \x01(\x08\x12\x14\n\x0c\x61ll_redoable\x18\x03 \x01(\x08\"\x1a\n\x0bKillRequest\x12\x0b\n\x03msg\x18\x01 \x01(\t\"\x0e\n\x0cKillResponse\"+\n\x16PeerLostNoticesRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x04\"?\n\x0ePeerLostNotice\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12 \n\tpeer_lost\x18\x02 \x01(\x0b\x32\r.ftl.PeerLost2\xc0\x02\n\x11LighthouseService\x12\x45\n\x06Quorum\x12\x1c.ftl.LighthouseQuorumRequest\x1a\x1d.ftl.LighthouseQuorumResponse\x12N\n\tHeartbeat\x12\x1f.ftl.LighthouseHeartbeatRequest\x1a .ftl.LighthouseHeartbeatResponse\x12X\n\x0fHeartbeatStream\x12\x1f.ftl.LighthouseHeartbeatRequest\x1a .ftl.LighthouseHeartbeatResponse(\x01\x30\x01\x12:\n\x04Peer\x12\x18.ftl.LighthousePeerState\x1a\x18.ftl.LighthousePeerState2\xe1\x02\n\x0eManagerService\x12?\n\x06Quorum\x12\x19.ftl.ManagerQuorumRequest\x1a\x1a.ftl.ManagerQuorumResponse\x12U\n\x12\x43heckpointMetadata\x12\x1e.ftl.CheckpointMetadataRequest\x1a\x1f.ftl.CheckpointMetadataResponse\x12\x43\n\x0cShouldCommit\x12\x18.ftl.ShouldCommitRequest\x1a\x19.ftl.ShouldCommitResponse\x12+\n\x04Kill\x12\x10.ftl.KillRequest\x1a\x11.ftl.KillResponse\x12\x45\n\x0fPeerLostNotices\x12\x1b.ftl.PeerLostNoticesRequest\x1a\x13.ftl.PeerLostNotice0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,35 +40,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LIGHTHOUSEQUORUMRESPONSE']._serialized_start=469
   _globals['_LIGHTHOUSEQUORUMRESPONSE']._serialized_end=524
   _globals['_LIGHTHOUSEHEARTBEATREQUEST']._serialized_start=527
-  _globals['_LIGHTHOUSEHEARTBEATREQUEST']._serialized_end=768
-  _globals['_PEERLOST']._serialized_start=770
-  _globals['_PEERLOST']._serialized_end=835
-  _globals['_LIGHTHOUSEHEARTBEATRESPONSE']._serialized_start=838
-  _globals['_LIGHTHOUSEHEARTBEATRESPONSE']._serialized_end=1004
-  _globals['_LIGHTHOUSEPEERSTATE']._serialized_start=1007
-  _globals['_LIGHTHOUSEPEERSTATE']._serialized_end=1152
-  _globals['_MANAGERQUORUMREQUEST']._serialized_start=1155
-  _globals['_MANAGERQUORUMREQUEST']._serialized_end=1348
-  _globals['_MANAGERQUORUMRESPONSE']._serialized_start=1351
-  _globals['_MANAGERQUORUMRESPONSE']._serialized_end=1760
-  _globals['_CHECKPOINTMETADATAREQUEST']._serialized_start=1762
-  _globals['_CHECKPOINTMETADATAREQUEST']._serialized_end=1809
-  _globals['_CHECKPOINTMETADATARESPONSE']._serialized_start=1811
-  _globals['_CHECKPOINTMETADATARESPONSE']._serialized_end=1868
-  _globals['_SHOULDCOMMITREQUEST']._serialized_start=1870
-  _globals['_SHOULDCOMMITREQUEST']._serialized_end=1982
-  _globals['_SHOULDCOMMITRESPONSE']._serialized_start=1984
-  _globals['_SHOULDCOMMITRESPONSE']._serialized_end=2071
-  _globals['_KILLREQUEST']._serialized_start=2073
-  _globals['_KILLREQUEST']._serialized_end=2099
-  _globals['_KILLRESPONSE']._serialized_start=2101
-  _globals['_KILLRESPONSE']._serialized_end=2115
-  _globals['_PEERLOSTNOTICESREQUEST']._serialized_start=2117
-  _globals['_PEERLOSTNOTICESREQUEST']._serialized_end=2160
-  _globals['_PEERLOSTNOTICE']._serialized_start=2162
-  _globals['_PEERLOSTNOTICE']._serialized_end=2225
-  _globals['_LIGHTHOUSESERVICE']._serialized_start=2228
-  _globals['_LIGHTHOUSESERVICE']._serialized_end=2548
-  _globals['_MANAGERSERVICE']._serialized_start=2551
-  _globals['_MANAGERSERVICE']._serialized_end=2904
+  _globals['_LIGHTHOUSEHEARTBEATREQUEST']._serialized_end=794
+  _globals['_PEERLOST']._serialized_start=796
+  _globals['_PEERLOST']._serialized_end=861
+  _globals['_LIGHTHOUSEHEARTBEATRESPONSE']._serialized_start=864
+  _globals['_LIGHTHOUSEHEARTBEATRESPONSE']._serialized_end=1051
+  _globals['_LIGHTHOUSEPEERSTATE']._serialized_start=1054
+  _globals['_LIGHTHOUSEPEERSTATE']._serialized_end=1199
+  _globals['_MANAGERQUORUMREQUEST']._serialized_start=1202
+  _globals['_MANAGERQUORUMREQUEST']._serialized_end=1395
+  _globals['_MANAGERQUORUMRESPONSE']._serialized_start=1398
+  _globals['_MANAGERQUORUMRESPONSE']._serialized_end=1807
+  _globals['_CHECKPOINTMETADATAREQUEST']._serialized_start=1809
+  _globals['_CHECKPOINTMETADATAREQUEST']._serialized_end=1856
+  _globals['_CHECKPOINTMETADATARESPONSE']._serialized_start=1858
+  _globals['_CHECKPOINTMETADATARESPONSE']._serialized_end=1915
+  _globals['_SHOULDCOMMITREQUEST']._serialized_start=1917
+  _globals['_SHOULDCOMMITREQUEST']._serialized_end=2029
+  _globals['_SHOULDCOMMITRESPONSE']._serialized_start=2031
+  _globals['_SHOULDCOMMITRESPONSE']._serialized_end=2118
+  _globals['_KILLREQUEST']._serialized_start=2120
+  _globals['_KILLREQUEST']._serialized_end=2146
+  _globals['_KILLRESPONSE']._serialized_start=2148
+  _globals['_KILLRESPONSE']._serialized_end=2162
+  _globals['_PEERLOSTNOTICESREQUEST']._serialized_start=2164
+  _globals['_PEERLOSTNOTICESREQUEST']._serialized_end=2207
+  _globals['_PEERLOSTNOTICE']._serialized_start=2209
+  _globals['_PEERLOSTNOTICE']._serialized_end=2272
+  _globals['_LIGHTHOUSESERVICE']._serialized_start=2275
+  _globals['_LIGHTHOUSESERVICE']._serialized_end=2595
+  _globals['_MANAGERSERVICE']._serialized_start=2598
+  _globals['_MANAGERSERVICE']._serialized_end=2951
 # @@protoc_insertion_point(module_scope)

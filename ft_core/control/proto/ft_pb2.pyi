@@ -59,7 +59,7 @@ class LighthouseQuorumResponse(_message.Message):
     def __init__(self, quorum: _Optional[_Union[Quorum, _Mapping]] = ...) -> None: ...
 
 class LighthouseHeartbeatRequest(_message.Message):
-    __slots__ = ("replica_id", "leaving", "request_id", "quorum", "timeout_ms", "finished", "finished_step", "finished_quorum_id", "want_status")
+    __slots__ = ("replica_id", "leaving", "request_id", "quorum", "timeout_ms", "finished", "finished_step", "finished_quorum_id", "want_status", "want_frames_port")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class LighthouseHeartbeatRequest(_message.Message):
     FINISHED_STEP_FIELD_NUMBER: _ClassVar[int]
     FINISHED_QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
     WANT_STATUS_FIELD_NUMBER: _ClassVar[int]
+    WANT_FRAMES_PORT_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     leaving: bool
     request_id: int
@@ -78,7 +79,8 @@ class LighthouseHeartbeatRequest(_message.Message):
     finished_step: int
     finished_quorum_id: int
     want_status: bool
-    def __init__(self, replica_id: _Optional[str] = ..., leaving: _Optional[bool] = ..., request_id: _Optional[int] = ..., quorum: _Optional[_Union[LighthouseQuorumRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., finished: _Optional[bool] = ..., finished_step: _Optional[int] = ..., finished_quorum_id: _Optional[int] = ..., want_status: _Optional[bool] = ...) -> None: ...
+    want_frames_port: bool
+    def __init__(self, replica_id: _Optional[str] = ..., leaving: _Optional[bool] = ..., request_id: _Optional[int] = ..., quorum: _Optional[_Union[LighthouseQuorumRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., finished: _Optional[bool] = ..., finished_step: _Optional[int] = ..., finished_quorum_id: _Optional[int] = ..., want_status: _Optional[bool] = ..., want_frames_port: _Optional[bool] = ...) -> None: ...
 
 class PeerLost(_message.Message):
     __slots__ = ("quorum_id", "replica_id", "reason")
@@ -91,20 +93,22 @@ class PeerLost(_message.Message):
     def __init__(self, quorum_id: _Optional[int] = ..., replica_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class LighthouseHeartbeatResponse(_message.Message):
-    __slots__ = ("peer_lost", "request_id", "quorum_response", "error_code", "error", "quorum_status")
+    __slots__ = ("peer_lost", "request_id", "quorum_response", "error_code", "error", "quorum_status", "frames_port")
     PEER_LOST_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     QUORUM_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     QUORUM_STATUS_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_PORT_FIELD_NUMBER: _ClassVar[int]
     peer_lost: PeerLost
     request_id: int
     quorum_response: bytes
     error_code: str
     error: str
     quorum_status: str
-    def __init__(self, peer_lost: _Optional[_Union[PeerLost, _Mapping]] = ..., request_id: _Optional[int] = ..., quorum_response: _Optional[bytes] = ..., error_code: _Optional[str] = ..., error: _Optional[str] = ..., quorum_status: _Optional[str] = ...) -> None: ...
+    frames_port: int
+    def __init__(self, peer_lost: _Optional[_Union[PeerLost, _Mapping]] = ..., request_id: _Optional[int] = ..., quorum_response: _Optional[bytes] = ..., error_code: _Optional[str] = ..., error: _Optional[str] = ..., quorum_status: _Optional[str] = ..., frames_port: _Optional[int] = ...) -> None: ...
 
 class LighthousePeerState(_message.Message):
     __slots__ = ("lighthouse_id", "address", "live_members", "max_step", "quorum_id", "standing_by_for")

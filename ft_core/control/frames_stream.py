@@ -1,0 +1,157 @@
+"""A bidirectional stream on the frames wire (ft_core.control.frames), for the lighthouse's HeartbeatStream.
+
+`FrameStreamCall` has the shape of the grpc.aio call the heartbeat stream uses (initial_metadata, write,
+done_writing, read -> message or grpc.aio.EOF, cancel; a non-OK end raises a grpc.RpcError with code()
+and details()), so the stream's logic (heartbeats, quorum polls, PeerLost, redirects, failover) is the
+same on both wires. It runs on the caller's asyncio loop: a frame read is parsed in the protocol's
+data_received and handed to the waiting reader in the same turn of the loop; a write is one
+transport.write, no thread involved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from ft_core.control import frames, rpc
+
+__all__ = ["FrameRpcError", "FrameStreamCall"]
+
+
+class FrameRpcError(grpc.RpcError):
+    """A stream on the frames wire ended with a status other than OK (as grpc.aio raises it)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code = code
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class _End:
+    __slots__ = ("code", "details")
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self.code = code
+        self.details = details
+
+
+_CANCELLED = _End(grpc.StatusCode.CANCELLED, "cancelled by the client")
+
+
+class _StreamProtocol(asyncio.Protocol):
+    def __init__(self, deserialize: Callable[[bytes], Any]) -> None:
+        self._deserialize = deserialize
+        self._buffer = bytearray()
+        self.transport: asyncio.Transport | None = None
+        self.inbox: asyncio.Queue = asyncio.Queue()  # messages, then one _End
+        self.headers: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.ended = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        size = frames._LENGTH.size
+        while not self.ended and len(self._buffer) >= size:
+            (length,) = frames._LENGTH.unpack_from(self._buffer)
+            if length > frames.MAX_FRAME:
+                self.end(grpc.StatusCode.RESOURCE_EXHAUSTED, f"frame of {length} bytes is over {frames.MAX_FRAME}")
+                return
+            if len(self._buffer) < size + length:
+                return
+            body = bytes(self._buffer[size:size + length])
+            del self._buffer[:size + length]
+            kind = body[:1]
+            if kind == frames.STREAM_MESSAGE:
+                self.inbox.put_nowait(self._deserialize(body[1:]))
+            elif kind == frames.STREAM_HEADERS:
+                self._settle_headers()
+            else:  # the status at the stream's end, or a plain reply: the hello was refused
+                code, details, _ = frames.parse_reply(body[1:] if kind == frames.STREAM_END else body)
+                self.end(code, details)
+
+    def _settle_headers(self) -> None:
+        if not self.headers.done():
+            self.headers.set_result(())
+
+    def end(self, code: grpc.StatusCode, details: str) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        self.inbox.put_nowait(_End(code, details))
+        self._settle_headers()
+        if self.transport is not None:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.end(grpc.StatusCode.UNAVAILABLE, f"connection to the lighthouse's frames port lost ({exc or 'closed'})")
+
+
+class FrameStreamCall:
+    """One stream method call on a frames port; made by `open`."""
+
+    def __init__(self, protocol: _StreamProtocol) -> None:
+        self._protocol = protocol
+        self._end: _End | None = None
+
+    @classmethod
+    async def open(cls, host: str, port: int, method: str, token: str | None, deserialize: Callable[[bytes], Any],
+                   timeout_s: float, tls: rpc.TLSConfig | None = None) -> FrameStreamCall:
+        """Connect (within `timeout_s`: OSError or asyncio.TimeoutError otherwise) and open `method`."""
+        loop = asyncio.get_running_loop()
+        context = rpc.client_ssl_context(tls)
+        _, protocol = await asyncio.wait_for(loop.create_connection(
+            lambda: _StreamProtocol(deserialize), host, port, ssl=context,
+            server_hostname=host if context is not None else None), timeout_s)
+        assert protocol.transport is not None
+        protocol.transport.write(frames.hello(token) + frames.request_frame(method, b"", timeout_s))
+        return cls(protocol)
+
+    async def initial_metadata(self) -> tuple:
+        """Once the server opened the stream (or ended it: read() then says how)."""
+        return await asyncio.shield(self._protocol.headers)
+
+    async def write(self, message: bytes) -> None:
+        transport = self._protocol.transport
+        if self._protocol.ended or transport is None or transport.is_closing():
+            raise asyncio.InvalidStateError("the stream has ended")
+        transport.write(frames._frame(message))
+
+    async def done_writing(self) -> None:
+        """Half-close: no more messages from this side (an empty frame)."""
+        await self.write(b"")
+
+    async def read(self) -> Any:
+        """The next message; grpc.aio.EOF after an OK end; raises FrameRpcError after any other end."""
+        if self._end is None:
+            item = await self._protocol.inbox.get()
+            if not isinstance(item, _End):
+                return item
+            self._end = item
+        if self._end is _CANCELLED:
+            raise asyncio.CancelledError()
+        if self._end.code == grpc.StatusCode.OK:
+            return grpc.aio.EOF
+        raise FrameRpcError(self._end.code, self._end.details)
+
+    def cancel(self) -> bool:
+        """End the call now: the connection closes (the server reads end of stream); a read raises
+        CancelledError, as a cancelled grpc.aio call's does."""
+        if self._protocol.ended:
+            return False
+        self._protocol.ended = True
+        self._protocol.inbox.put_nowait(_CANCELLED)
+        self._protocol._settle_headers()
+        if self._protocol.transport is not None:
+            self._protocol.transport.close()
+        return True
