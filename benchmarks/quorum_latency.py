@@ -140,7 +140,7 @@ def _start_async_group(replica_id: str, lighthouse_addr: str) -> GroupHandle:
                 await wire.call("Quorum", request.SerializeToString(), timeout_s))
 
         async def close_wire() -> None:
-            await wire.close()
+            wire.close()
     else:
         async def open_stub() -> tuple[Any, Any]:
             channel = grpc.aio.insecure_channel(server.address(), options=CHANNEL_OPTIONS)

@@ -238,3 +238,37 @@ def test_frames_off_on_either_side_keeps_the_stream_on_grpc(side: str, monkeypat
             assert server.wait_heartbeat_connected(10)
             assert stream_of(server)._frames_ports.get(lh.address(), 0) == 0
             assert server.quorum_local(0, 0, "", False, TIMEOUT).replica_ids == ["g"]
+
+
+def test_the_loop_client_calls_and_fails_as_the_thread_client_does(lighthouse: LighthouseServer) -> None:
+    """AsyncFrameClient (code on an asyncio loop, the benchmarks' groups): an answer, a refused token, a
+    deadline, and a server that went away, each as the blocking client raises it."""
+    import asyncio
+
+    with ManagerServer("loop", lighthouse.address(), world_size=2, token="tok") as server:
+        request = ft_pb2.ManagerQuorumRequest(group_rank=0, step=0).SerializeToString()
+
+        async def scenario() -> list[object]:
+            outcomes: list[object] = []
+            good = frames.AsyncFrameClient(server.frames_address(), "tok", "manager server loop")
+            started = time.monotonic()
+            outcomes.append(await _async_catch(good.call("Quorum", request, 0.5)))  # rank 1 never comes
+            outcomes.append(time.monotonic() - started)
+            bad = frames.AsyncFrameClient(server.frames_address(), "wrong", "manager server loop")
+            outcomes.append(await _async_catch(bad.call("Quorum", request, 2.0)))
+            server.shutdown()
+            outcomes.append(await _async_catch(good.call("Quorum", request, 2.0)))
+            good.close()
+            return outcomes
+
+        timed_out, took, refused, gone = asyncio.run(scenario())
+    assert isinstance(timed_out, FTTimeoutError) and took < 0.5 + 5, (timed_out, took)
+    assert isinstance(refused, AuthError) and "token" in str(refused), refused
+    assert isinstance(gone, RPCError) and "manager server loop" in str(gone), gone
+
+
+async def _async_catch(work):  # noqa: ANN001, ANN202 - the call's value or error
+    try:
+        return await work
+    except Exception as exc:  # recorded for the assertion
+        return exc

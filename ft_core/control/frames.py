@@ -157,7 +157,14 @@ class _StreamContext:
             yield message
 
     async def write(self, message: Any) -> None:
-        if self._transport is not None:
+        self.put_nowait(message)
+
+    def direct_outbox(self) -> _StreamContext:
+        """This context as an outbox whose put_nowait writes at once (None: nothing, finish() ends the stream)."""
+        return self
+
+    def put_nowait(self, message: Any) -> None:
+        if message is not None and self._transport is not None:
             self._transport.write(_frame(STREAM_MESSAGE + self._serialize(message)))
 
     async def send_initial_metadata(self, metadata: Any = ()) -> None:
@@ -429,47 +436,98 @@ def _read_frame(sock: socket.socket, deadline: float) -> bytes:
     return _read_exactly(sock, length, deadline)
 
 
+class _ReplyProtocol(asyncio.Protocol):
+    """An AsyncFrameClient's connection: the reply's frame settles the waiting call's future as it is read."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self.transport: asyncio.Transport | None = None
+        self.waiter: asyncio.Future | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        if len(self._buffer) < _LENGTH.size:
+            return
+        (length,) = _LENGTH.unpack_from(self._buffer)
+        if length > MAX_FRAME:
+            self._fail(EOFError(f"frame of {length} bytes is over {MAX_FRAME}"))
+        elif len(self._buffer) >= _LENGTH.size + length:
+            body = bytes(self._buffer[_LENGTH.size:_LENGTH.size + length])
+            del self._buffer[:_LENGTH.size + length]
+            if self.waiter is not None and not self.waiter.done():
+                self.waiter.set_result(body)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(exc)
+        if self.transport is not None:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(exc or EOFError("the server closed the connection"))
+
+
+def _expire(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_exception(asyncio.TimeoutError())
+
+
 class AsyncFrameClient:
-    """A FrameClient for code that runs on an asyncio loop (one connection, one call at a time)."""
+    """A FrameClient for code that runs on an asyncio loop (one connection, one call at a time): the reply
+    is read in the protocol and resumes the caller on the next turn of the loop."""
 
     def __init__(self, address: str, token: str | None, peer: str, tls: rpc.TLSConfig | None = None) -> None:
         self._host, self._port = split_host_port(address, "frames address", default_host=None)
         self._token = token
         self._peer = peer
         self._ssl = rpc.client_ssl_context(tls)
-        self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
-        self._lock: asyncio.Lock | None = None
+        self._protocol: _ReplyProtocol | None = None
+        self._busy = False
 
     async def call(self, name: str, payload: bytes, timeout_s: float) -> bytes:
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:
-            try:
-                return await asyncio.wait_for(self._call(name, payload, timeout_s), timeout_s)
-            except asyncio.TimeoutError:
-                await self.close()
-                raise status_error(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer on the frames connection",
-                                   peer=self._peer, call=name, timeout_s=timeout_s) from None
-            except (OSError, asyncio.IncompleteReadError) as exc:
-                await self.close()
-                raise status_error(grpc.StatusCode.UNAVAILABLE, f"frames connection lost: {exc}",
-                                   peer=self._peer, call=name, timeout_s=timeout_s) from None
-
-    async def _call(self, name: str, payload: bytes, timeout_s: float) -> bytes:
-        message = request_frame(name, payload, timeout_s)
-        if self._streams is None:
-            self._streams = await asyncio.open_connection(self._host, self._port, ssl=self._ssl)
-            message = hello(self._token) + message
-        reader, writer = self._streams
-        writer.write(message)
-        (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-        code, details, response = parse_reply(await reader.readexactly(length))
+        if self._busy:
+            raise RPCError(f"{name} to {self._peer}: one call at a time on an AsyncFrameClient", peer=self._peer,
+                           call=name, code="FAILED_PRECONDITION")
+        self._busy = True
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        deadline = loop.call_later(timeout_s, _expire, waiter)
+        try:
+            message = request_frame(name, payload, timeout_s)
+            protocol = self._protocol
+            if protocol is None or protocol.transport is None or protocol.transport.is_closing():
+                connect = loop.create_connection(_ReplyProtocol, self._host, self._port, ssl=self._ssl,
+                                                 server_hostname=self._host if self._ssl is not None else None)
+                _, protocol = await asyncio.wait_for(connect, max(min(timeout_s, CONNECT_S), 0.001))
+                self._protocol = protocol
+                message = hello(self._token) + message
+            protocol.waiter = waiter
+            assert protocol.transport is not None
+            protocol.transport.write(message)
+            body = await waiter
+        except asyncio.TimeoutError:
+            self.close()
+            raise status_error(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer on the frames connection",
+                               peer=self._peer, call=name, timeout_s=timeout_s) from None
+        except (OSError, EOFError) as exc:
+            self.close()
+            raise status_error(grpc.StatusCode.UNAVAILABLE, f"frames connection lost: {exc or 'closed'}",
+                               peer=self._peer, call=name, timeout_s=timeout_s) from None
+        finally:
+            deadline.cancel()
+            self._busy = False
+        code, details, response = parse_reply(body)
         if code != grpc.StatusCode.OK:
-            await self.close()
+            self.close()
             raise status_error(code, details, peer=self._peer, call=name, timeout_s=timeout_s)
         return response
 
-    async def close(self) -> None:
-        streams, self._streams = self._streams, None
-        if streams is not None:
-            streams[1].close()
+    def close(self) -> None:
+        protocol, self._protocol = self._protocol, None
+        if protocol is not None and protocol.transport is not None:
+            protocol.transport.close()

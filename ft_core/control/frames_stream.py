@@ -11,6 +11,7 @@ transport.write, no thread involved.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,11 @@ import grpc
 
 from ft_core.control import frames, rpc
 
-__all__ = ["FrameRpcError", "FrameStreamCall"]
+logger = logging.getLogger("ft_core.control.frames")
+
+__all__ = ["GOODBYE", "DirectOutbox", "FrameRpcError", "FrameStreamCall", "QueuedOutbox"]
+
+GOODBYE = object()  # queued by a stream's stop(): the writer sends `leaving`, then half-closes the stream
 
 
 class FrameRpcError(grpc.RpcError):
@@ -55,6 +60,7 @@ class _StreamProtocol(asyncio.Protocol):
         self.inbox: asyncio.Queue = asyncio.Queue()  # messages, then one _End
         self.headers: asyncio.Future = asyncio.get_running_loop().create_future()
         self.ended = False
+        self.handler: Callable[[Any], None] | None = None  # set: messages go to it as they are read
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -73,12 +79,21 @@ class _StreamProtocol(asyncio.Protocol):
             del self._buffer[:size + length]
             kind = body[:1]
             if kind == frames.STREAM_MESSAGE:
-                self.inbox.put_nowait(self._deserialize(body[1:]))
+                self._deliver(self._deserialize(body[1:]))
             elif kind == frames.STREAM_HEADERS:
                 self._settle_headers()
             else:  # the status at the stream's end, or a plain reply: the hello was refused
                 code, details, _ = frames.parse_reply(body[1:] if kind == frames.STREAM_END else body)
                 self.end(code, details)
+
+    def _deliver(self, message: Any) -> None:
+        if self.handler is None:
+            self.inbox.put_nowait(message)
+            return
+        try:
+            self.handler(message)
+        except Exception:  # a bug in the handler must not take the connection down with it; record it
+            logger.exception("frames stream message handler failed")
 
     def _settle_headers(self) -> None:
         if not self.headers.done():
@@ -117,19 +132,37 @@ class FrameStreamCall:
         protocol.transport.write(frames.hello(token) + frames.request_frame(method, b"", timeout_s))
         return cls(protocol)
 
+    def on_message(self, handler: Callable[[Any], None]) -> None:
+        """From now on hand each message to `handler` as it is read (on the loop, in the read's own turn);
+        messages already read go to it first, in order; read() then returns only the end."""
+        protocol = self._protocol
+        waiting = []
+        while not protocol.inbox.empty():
+            waiting.append(protocol.inbox.get_nowait())
+        protocol.handler = handler
+        for item in waiting:
+            if isinstance(item, _End):
+                protocol.inbox.put_nowait(item)
+            else:
+                protocol._deliver(item)
+
     async def initial_metadata(self) -> tuple:
         """Once the server opened the stream (or ended it: read() then says how)."""
         return await asyncio.shield(self._protocol.headers)
 
-    async def write(self, message: bytes) -> None:
+    def write_nowait(self, message: bytes) -> None:
+        """Send one message now (the transport buffers it); InvalidStateError once the stream ended."""
         transport = self._protocol.transport
         if self._protocol.ended or transport is None or transport.is_closing():
             raise asyncio.InvalidStateError("the stream has ended")
         transport.write(frames._frame(message))
 
+    async def write(self, message: bytes) -> None:
+        self.write_nowait(message)
+
     async def done_writing(self) -> None:
         """Half-close: no more messages from this side (an empty frame)."""
-        await self.write(b"")
+        self.write_nowait(b"")
 
     async def read(self) -> Any:
         """The next message; grpc.aio.EOF after an OK end; raises FrameRpcError after any other end."""
@@ -155,3 +188,32 @@ class FrameStreamCall:
         if self._protocol.transport is not None:
             self._protocol.transport.close()
         return True
+
+
+class QueuedOutbox(asyncio.Queue):
+    """A gRPC stream's outbox: its writer task sends what is queued."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self.last_write = loop.time()  # when the writer last sent something (a quorum request is a heartbeat)
+
+
+class DirectOutbox:
+    """A frames stream's outbox: each message is written as it is queued, on the loop's thread."""
+
+    def __init__(self, call: FrameStreamCall, goodbye: bytes, loop: asyncio.AbstractEventLoop) -> None:
+        self._call = call
+        self._goodbye = goodbye
+        self._loop = loop
+        self.last_write = loop.time()
+
+    def put_nowait(self, item: Any) -> None:
+        try:
+            if item is GOODBYE:  # then half-close: the lighthouse logs a clean exit, pushes nothing
+                self._call.write_nowait(self._goodbye)
+                self._call.write_nowait(b"")
+                return
+            self._call.write_nowait(item)
+            self.last_write = self._loop.time()
+        except asyncio.InvalidStateError:
+            pass  # the call ended: its reader records why

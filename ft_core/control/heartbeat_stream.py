@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 
 from ft_core.control import frames
-from ft_core.control.frames_stream import FrameStreamCall
+from ft_core.control.frames_stream import GOODBYE, DirectOutbox, FrameStreamCall, QueuedOutbox
 from ft_core.control.job_end import FINISHED_CODE, job_finished_error
 from ft_core.control.proto import ft_pb2
 from ft_core.control.rpc import CHANNEL_OPTIONS, auth_metadata, backoff_delays, channel_credentials, map_rpc_error, seconds, tls_config
@@ -49,7 +49,6 @@ HEADERS_WAIT_S = 1.0  # longest a new stream waits for the lighthouse's headers 
 LOOP_STOP_S = 2.0  # longest the stream loop's last tasks get to end once its last holder released it
 _METHOD = "/ftl.LighthouseService/HeartbeatStream"
 _HEARTBEAT = "/ftl.LighthouseService/Heartbeat"
-_GOODBYE = object()  # queued by stop(): the writer sends `leaving`, then half-closes the stream
 
 
 class StreamUnavailable(RPCError):
@@ -328,21 +327,21 @@ class HeartbeatStreamHandle:
         loop = asyncio.get_running_loop()
         request = ft_pb2.LighthouseHeartbeatRequest(replica_id=self.replica_id).SerializeToString()
         goodbye = ft_pb2.LighthouseHeartbeatRequest(replica_id=self.replica_id, leaving=True).SerializeToString()
-        outbox: asyncio.Queue = asyncio.Queue()
-        last_answer = last_write = loop.time()
+        # frames: written as queued (no writer task, no turn of the loop); gRPC: a writer task drains a queue
+        outbox: Any = DirectOutbox(call, goodbye, loop) if isinstance(call, FrameStreamCall) else QueuedOutbox(loop)
+        last_answer = loop.time()
         outbox.put_nowait(request)
 
         async def write() -> None:
-            nonlocal last_write
             try:
                 while True:
                     item = await outbox.get()
-                    if item is _GOODBYE:  # then half-close: the lighthouse logs a clean exit, pushes nothing
+                    if item is GOODBYE:  # then half-close: the lighthouse logs a clean exit, pushes nothing
                         await call.write(goodbye)
                         await call.done_writing()
                         return
                     await call.write(item)
-                    last_write = loop.time()  # a quorum request counts as a heartbeat at the lighthouse
+                    outbox.last_write = loop.time()  # a quorum request counts as a heartbeat at the lighthouse
             except (grpc.RpcError, asyncio.InvalidStateError):
                 return  # the call ended: the reader below records why
 
@@ -353,7 +352,7 @@ class HeartbeatStreamHandle:
                 logger.warning("lighthouse %s stopped answering %s's heartbeats; reconnecting", addr, self.replica_id)
                 call.cancel()
                 return
-            due = last_write + self._interval_s
+            due = outbox.last_write + self._interval_s
             if now >= due:
                 outbox.put_nowait(request)
                 due = now + self._interval_s
@@ -364,7 +363,7 @@ class HeartbeatStreamHandle:
             self._outbox = outbox
             self._answered_id = 0  # maybe another lighthouse, or the same one restarted: it knows no quorum of ours
         if self._stop.is_set():
-            outbox.put_nowait(_GOODBYE)
+            outbox.put_nowait(GOODBYE)
         timer = loop.call_later(self._interval_s, beat)
         answered = False
         writer: asyncio.Task | None = None
@@ -373,16 +372,8 @@ class HeartbeatStreamHandle:
                 await asyncio.wait_for(call.initial_metadata(), HEADERS_WAIT_S)
             except asyncio.TimeoutError:
                 pass  # an older lighthouse sends them with its first answer: write anyway
-            writer = loop.create_task(write())
-            while True:
-                try:
-                    response = await call.read()
-                except asyncio.CancelledError:
-                    if asyncio.current_task().cancelling():  # type: ignore[union-attr]
-                        raise  # the task itself is cancelled (the process is going down)
-                    break  # the call was cancelled: stale, or stop() did not get a clean close in time
-                if response is grpc.aio.EOF:
-                    break
+            def handle(response: ft_pb2.LighthouseHeartbeatResponse) -> None:
+                nonlocal last_answer, answered
                 last_answer = loop.time()
                 if response.request_id:
                     with self._lock:
@@ -398,6 +389,21 @@ class HeartbeatStreamHandle:
                     if self.last_error is not None:
                         logger.info("heartbeat stream of %s to %s is back", self.replica_id, addr)
                     self.last_error = None
+
+            if isinstance(outbox, QueuedOutbox):
+                writer = loop.create_task(write())
+            else:  # frames: each answer is handled as its bytes are read, no turn of the loop to this task
+                call.on_message(handle)
+            while True:
+                try:
+                    response = await call.read()
+                except asyncio.CancelledError:
+                    if asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                        raise  # the task itself is cancelled (the process is going down)
+                    break  # the call was cancelled: stale, or stop() did not get a clean close in time
+                if response is grpc.aio.EOF:
+                    break
+                handle(response)
         except grpc.RpcError as err:
             if not self._stop.is_set():
                 error = map_rpc_error(err, peer=addr, call="LighthouseService.HeartbeatStream")
@@ -439,7 +445,7 @@ class HeartbeatStreamHandle:
         with self._lock:
             outbox = self._outbox
         if outbox is not None:
-            outbox.put_nowait(_GOODBYE)
+            outbox.put_nowait(GOODBYE)
 
     # -- the caller's side ------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 
@@ -184,9 +185,10 @@ class _LighthouseService:
         token = object()
         replica_id: str | None = None
         why = "broke (connection dropped)"
-        outbox: asyncio.Queue = asyncio.Queue()
+        direct = getattr(context, "direct_outbox", None)  # frames: answers written as queued, no writer task
+        outbox: Any = direct() if direct is not None else asyncio.Queue()
         polls: dict[Waiter, asyncio.TimerHandle] = {}  # this stream's quorum polls still waiting -> their deadline
-        writer = self._loop.create_task(self._write_stream(context, outbox))
+        writer = None if direct is not None else self._loop.create_task(self._write_stream(context, outbox))
         acked = 0.0  # when a heartbeat was last answered (answers only tell the client the stream is alive)
         try:
             # Headers first: a grpc.aio client waits for them before writing, so a write never races the
@@ -223,8 +225,9 @@ class _LighthouseService:
                 if opened or now - acked >= HEARTBEAT_ACK_S:
                     acked = now
                     outbox.put_nowait(_EMPTY)
-            outbox.put_nowait(None)
-            await writer  # flush what is queued, then end the call with OK
+            if writer is not None:
+                outbox.put_nowait(None)
+                await writer  # flush what is queued, then end the call with OK
         finally:
             # No await in here: a second cancellation must not skip the declaration below. The replica is
             # declared gone first, then its polls are withdrawn (their leave() then finds it gone, so no
@@ -238,7 +241,7 @@ class _LighthouseService:
                 deadline.cancel()
                 self._core.leave(waiter, cancelled=True)
             polls.clear()
-            if not writer.done():
+            if writer is not None and not writer.done():
                 writer.cancel()
 
     def _stream_quorum(self, replica_id: str, request: ft_pb2.LighthouseHeartbeatRequest, outbox: asyncio.Queue,
