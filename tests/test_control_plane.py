@@ -81,10 +81,14 @@ def stack() -> Iterator[ExitStack]:
         yield resources
 
 
-def start_groups(stack: ExitStack, lighthouse_addr: str, names: list[str], **kwargs: Any) -> list[Group]:
+def start_groups(stack: ExitStack, lighthouse_addr: str, names: list[str], wait_connected: bool = True,
+                 **kwargs: Any) -> list[Group]:
+    """Replica groups whose heartbeat streams are open (a group the lighthouse does not hear yet is no member)."""
     groups = [Group(name, lighthouse_addr, **kwargs) for name in names]
     for group in groups:
         stack.callback(group.close)
+    for group in groups if wait_connected else ():
+        group.server.wait_heartbeat_connected(10)
     return groups
 
 
@@ -254,7 +258,8 @@ def test_first_lighthouse_address_dead_managers_use_the_second(stack: ExitStack)
 
 def test_manager_with_the_wrong_lighthouse_token_gets_a_clear_error(stack: ExitStack) -> None:
     lighthouse = stack.enter_context(LighthouseServer(min_replicas=1, http_bind=None, token="right"))
-    group = start_groups(stack, lighthouse.address(), ["group_a"], world_size=1, token="wrong")[0]
+    group = start_groups(stack, lighthouse.address(), ["group_a"], world_size=1, token="wrong",
+                         wait_connected=False)[0]
     with pytest.raises(RPCError, match="token"):
         group.clients[0].quorum(0, 0, "", False, ROUND_TIMEOUT)
     with ManagerClient(group.server.address(), token="wrong") as client:  # the manager itself still serves

@@ -59,16 +59,20 @@ class StreamUnavailable(RPCError):
 class _StreamPoll:
     """A quorum request sent on the heartbeat stream, waiting for the answer with its request_id."""
 
-    __slots__ = ("done", "future", "response", "outbox")
+    __slots__ = ("done", "settled", "future", "response", "outbox")
 
     def __init__(self, future: asyncio.Future | None = None) -> None:
-        self.done = threading.Event()
-        self.future = future  # set by quorum_async (on the loop), resolved with `done`
+        # quorum() waits on a thread Event; quorum_async (on the loop) on `future`, and needs no Event
+        self.done = threading.Event() if future is None else None
+        self.settled = False
+        self.future = future
         self.response: ft_pb2.LighthouseHeartbeatResponse | None = None  # None: the stream ended first
         self.outbox: asyncio.Queue | None = None  # the stream it was sent on
 
     def settle(self) -> None:
-        self.done.set()
+        self.settled = True
+        if self.done is not None:
+            self.done.set()
         if self.future is not None and not self.future.done():
             self.future.set_result(None)
 
@@ -493,7 +497,7 @@ class HeartbeatStreamHandle:
         if response.error_code:
             raise RPCError(response.error, peer="lighthouse", call="LighthouseService.Quorum",
                            code=response.error_code)
-        quorum = Quorum.from_pb(ft_pb2.LighthouseQuorumResponse.FromString(response.quorum_response).quorum)
+        quorum = Quorum.from_response_bytes(response.quorum_response)
         with self._lock:
             if poll.outbox is self._outbox and quorum.quorum_id > self._answered_id:
                 self._answered_id = quorum.quorum_id
@@ -515,6 +519,7 @@ class HeartbeatStreamHandle:
             raise StreamUnavailable(f"heartbeat stream of {self.replica_id} is closed", peer="lighthouse",
                                     call="LighthouseService.HeartbeatStream", code="UNAVAILABLE") from None
         # The lighthouse answers by its own deadline (timeout_ms); a little slack covers the way back.
+        assert poll.done is not None
         if not poll.done.wait(timeout_s + 1.0):
             raise self._timed_out(request_id, timeout_s)
         return self._answer(poll, timeout_s)
@@ -540,7 +545,7 @@ class HeartbeatStreamHandle:
             raise
         finally:
             deadline.cancel()
-        if not poll.done.is_set():
+        if not poll.settled:
             raise self._timed_out(request_id, timeout_s)
         return self._answer(poll, timeout_s)
 

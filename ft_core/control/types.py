@@ -6,6 +6,7 @@ only the servers and clients touch protobuf messages.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 from ft_core.control.proto import ft_pb2
@@ -85,3 +86,22 @@ class Quorum:
     def from_pb(cls, msg: ft_pb2.Quorum) -> "Quorum":
         return cls(quorum_id=msg.quorum_id, participants=tuple(QuorumMember.from_pb(m) for m in msg.participants),
                    created_unix_ms=msg.created_unix_ms)
+
+    @classmethod
+    def from_response_bytes(cls, raw: bytes) -> "Quorum":
+        """The quorum of a serialized LighthouseQuorumResponse. The lighthouse sends every member the same
+        bytes, so the members of one process (a launcher's, a benchmark's) decode each quorum once."""
+        with _decoded_lock:
+            quorum = _DECODED.get(raw)
+        if quorum is None:
+            quorum = cls.from_pb(ft_pb2.LighthouseQuorumResponse.FromString(raw).quorum)
+            with _decoded_lock:
+                while len(_DECODED) >= _DECODED_KEPT:
+                    del _DECODED[next(iter(_DECODED))]
+                _DECODED[raw] = quorum
+        return quorum
+
+
+_DECODED: dict[bytes, Quorum] = {}  # the last quorums this process decoded, by their bytes (oldest first)
+_DECODED_KEPT = 4
+_decoded_lock = threading.Lock()
