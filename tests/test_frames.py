@@ -272,3 +272,10 @@ async def _async_catch(work):  # noqa: ANN001, ANN202 - the call's value or erro
         return await work
     except Exception as exc:  # recorded for the assertion
         return exc
+
+
+@pytest.mark.parametrize(("bind", "port"), [("0.0.0.0:29510", "29512"), ("127.0.0.1:0", "0"), ("[::1]:7000", "7002")])
+def test_ftl_lighthouse_puts_its_frames_port_two_above_its_grpc_port(bind: str, port: str) -> None:
+    from ft_core.control.lighthouse import frames_port_for
+
+    assert frames_port_for(bind) == port
