@@ -99,6 +99,23 @@ class FramesUnreachable(RPCError):
     """No connection to the frames port could be opened: the caller may keep to the service's gRPC port."""
 
 
+def _broken(exc: BaseException, *, peer: str, call: str, timeout_s: float) -> Exception:
+    """A call's connection failed before its answer: no answer in time, or the connection was lost."""
+    if isinstance(exc, (TimeoutError, socket.timeout, asyncio.TimeoutError)):
+        return status_error(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer on the frames connection",
+                            peer=peer, call=call, timeout_s=timeout_s)
+    return status_error(grpc.StatusCode.UNAVAILABLE, f"frames connection lost: {exc or 'closed'}",
+                        peer=peer, call=call, timeout_s=timeout_s)
+
+
+def _payload(body: bytes, *, peer: str, call: str, timeout_s: float) -> bytes:
+    """The response payload of a reply frame; raises the error of any other status."""
+    code, details, response = parse_reply(body)
+    if code != grpc.StatusCode.OK:
+        raise status_error(code, details, peer=peer, call=call, timeout_s=timeout_s)
+    return response
+
+
 # --------------------------------------------------------------------------- server
 
 
@@ -347,20 +364,16 @@ class FrameClient:
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
             sock.sendall(hello(self._token) + message if fresh else message)
             body = _read_frame(sock, deadline)
-        except (TimeoutError, socket.timeout):
+        except (OSError, EOFError) as exc:  # socket.timeout is an OSError
             sock.close()
-            raise status_error(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer on the frames connection",
-                               peer=self._peer, call=name, timeout_s=timeout_s) from None
-        except (OSError, EOFError) as exc:
-            sock.close()
-            raise status_error(grpc.StatusCode.UNAVAILABLE, f"frames connection lost: {exc or 'closed'}",
-                               peer=self._peer, call=name, timeout_s=timeout_s) from None
-        code, details, response = parse_reply(body)
-        if code == grpc.StatusCode.OK:
-            self._give_back(sock)
-            return response
-        sock.close()  # the server may have closed it (a refused hello); never reuse after an error
-        raise status_error(code, details, peer=self._peer, call=name, timeout_s=timeout_s)
+            raise _broken(exc, peer=self._peer, call=name, timeout_s=timeout_s) from None
+        try:
+            response = _payload(body, peer=self._peer, call=name, timeout_s=timeout_s)
+        except Exception:
+            sock.close()  # the server may have closed it (a refused hello); never reuse after an error
+            raise
+        self._give_back(sock)
+        return response
 
     def _take(self, name: str, deadline: float, timeout_s: float) -> tuple[socket.socket, bool]:
         """An open connection (reused when one is idle and still open) or a new one: (socket, fresh)."""
@@ -510,22 +523,17 @@ class AsyncFrameClient:
             assert protocol.transport is not None
             protocol.transport.write(message)
             body = await waiter
-        except asyncio.TimeoutError:
+        except (asyncio.TimeoutError, OSError, EOFError) as exc:
             self.close()
-            raise status_error(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer on the frames connection",
-                               peer=self._peer, call=name, timeout_s=timeout_s) from None
-        except (OSError, EOFError) as exc:
-            self.close()
-            raise status_error(grpc.StatusCode.UNAVAILABLE, f"frames connection lost: {exc or 'closed'}",
-                               peer=self._peer, call=name, timeout_s=timeout_s) from None
+            raise _broken(exc, peer=self._peer, call=name, timeout_s=timeout_s) from None
         finally:
             deadline.cancel()
             self._busy = False
-        code, details, response = parse_reply(body)
-        if code != grpc.StatusCode.OK:
+        try:
+            return _payload(body, peer=self._peer, call=name, timeout_s=timeout_s)
+        except Exception:
             self.close()
-            raise status_error(code, details, peer=self._peer, call=name, timeout_s=timeout_s)
-        return response
+            raise
 
     def close(self) -> None:
         protocol, self._protocol = self._protocol, None
