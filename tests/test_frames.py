@@ -279,3 +279,17 @@ def test_ftl_lighthouse_puts_its_frames_port_two_above_its_grpc_port(bind: str, 
     from ft_core.control.lighthouse import frames_port_for
 
     assert frames_port_for(bind) == port
+
+
+def test_a_connection_that_never_says_hello_is_closed(lighthouse: LighthouseServer,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(frames, "HELLO_S", 0.3)
+    with ManagerServer("g", lighthouse.address()) as server:
+        host, port = server.frames_address().rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            started = time.monotonic()
+            (length,) = struct.unpack("!I", sock.recv(4, socket.MSG_WAITALL))
+            code, details, _ = frames.parse_reply(sock.recv(length, socket.MSG_WAITALL))
+            assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "no hello" in details
+            assert sock.recv(1) == b""
+            assert_bounded(started, 3, "closing a silent connection")

@@ -54,6 +54,7 @@ STREAM_MESSAGE, STREAM_END, STREAM_HEADERS = b"\xf0", b"\xf1", b"\xf2"
 MAX_FRAME = 4 << 20  # as gRPC's message cap: a longer frame is a protocol error, not a message
 CONNECT_S = 2.0  # longest a new connection may take before the call fails (a live peer answers in a round trip)
 IDLE_KEPT = 4  # open connections a client keeps for later calls
+HELLO_S = 10.0  # a connection that has not greeted within this long is closed (no idle slot held forever)
 
 
 def enabled() -> bool:
@@ -212,8 +213,14 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
         self._server._connections.add(self)
+        self._hello_timer = asyncio.get_running_loop().call_later(HELLO_S, self._no_hello)
+
+    def _no_hello(self) -> None:
+        if not self._greeted and self._transport is not None:
+            self._refuse(grpc.StatusCode.DEADLINE_EXCEEDED, f"no hello within {HELLO_S:g}s")
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._hello_timer.cancel()
         self._server._connections.discard(self)
         self._transport = None
         if self._stream is not None:
@@ -264,6 +271,7 @@ class _Connection(asyncio.Protocol):
             self._refuse(grpc.StatusCode.UNAUTHENTICATED, rpc.TOKEN_REFUSED)
             return False
         self._greeted = True
+        self._hello_timer.cancel()
         return True
 
     def _refuse(self, code: grpc.StatusCode, details: str) -> None:

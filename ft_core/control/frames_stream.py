@@ -1,8 +1,8 @@
 """A bidirectional stream on the frames wire (ft_core.control.frames), for the lighthouse's HeartbeatStream.
 
-`FrameStreamCall` has the shape of the grpc.aio call the heartbeat stream uses (initial_metadata, write,
-done_writing, read -> message or grpc.aio.EOF, cancel; a non-OK end raises a grpc.RpcError with code()
-and details()), so the stream's logic (heartbeats, quorum polls, PeerLost, redirects, failover) is the
+`FrameStreamCall` has the shape of the grpc.aio call the heartbeat stream reads (initial_metadata,
+read -> message or grpc.aio.EOF, cancel; a non-OK end raises a grpc.RpcError with code() and details());
+its writes go through DirectOutbox (write_nowait, an empty frame to half-close), so the stream's logic (heartbeats, quorum polls, PeerLost, redirects, failover) is the
 same on both wires. It runs on the caller's asyncio loop: a frame read is parsed in the protocol's
 data_received and handed to the waiting reader in the same turn of the loop; a write is one
 transport.write, no thread involved.
@@ -157,12 +157,6 @@ class FrameStreamCall:
             raise asyncio.InvalidStateError("the stream has ended")
         transport.write(frames._frame(message))
 
-    async def write(self, message: bytes) -> None:
-        self.write_nowait(message)
-
-    async def done_writing(self) -> None:
-        """Half-close: no more messages from this side (an empty frame)."""
-        self.write_nowait(b"")
 
     async def read(self) -> Any:
         """The next message; grpc.aio.EOF after an OK end; raises FrameRpcError after any other end."""
