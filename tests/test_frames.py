@@ -293,3 +293,71 @@ def test_a_connection_that_never_says_hello_is_closed(lighthouse: LighthouseServ
             assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "no hello" in details
             assert sock.recv(1) == b""
             assert_bounded(started, 3, "closing a silent connection")
+
+
+class _Collect(frames.FrameReader):
+    """A FrameReader that keeps what it reads, fed the way asyncio feeds a BufferedProtocol."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bodies: list[bytes] = []
+        self.too_long: list[int] = []
+
+    def frame_received(self, body: bytes) -> None:
+        self.bodies.append(body)
+
+    def frame_too_long(self, length: int) -> None:
+        self.too_long.append(length)
+
+    def feed(self, data: bytes) -> None:
+        while data:
+            buf = self.get_buffer(-1)
+            n = min(len(buf), len(data))
+            assert n > 0, "get_buffer must always offer room"
+            buf[:n] = data[:n]
+            del buf
+            self.buffer_updated(n)
+            data = data[n:]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 5, 7, 100, 8191, 1 << 20])
+def test_the_frame_reader_splits_any_byte_stream_into_its_frames(chunk: int) -> None:
+    """Frames of 0 bytes to 3x the first buffer, arriving in reads of any size (split inside the length, inside
+    a body, or many per read), come out whole and in order; the buffer grows for a long one."""
+    bodies = [b"", b"x", bytes(range(256)) * 3, b"y" * (3 * frames.FrameReader._FIRST_BUFFER + 17), b"z" * 1000, b"end"]
+    wire = b"".join(frames._frame(body) for body in bodies)
+    reader = _Collect()
+    for i in range(0, len(wire), chunk):
+        reader.feed(wire[i:i + chunk])
+    assert reader.bodies == bodies and reader.too_long == []
+    reader.feed(wire)  # the buffer, grown and drained, is reused
+    assert reader.bodies == bodies * 2
+
+
+def test_the_frame_reader_stops_at_a_frame_over_the_cap_and_ignores_what_follows() -> None:
+    reader = _Collect()
+    reader.feed(frames._frame(b"ok") + struct.pack("!I", frames.MAX_FRAME + 1) + frames._frame(b"after"))
+    assert reader.bodies == [b"ok"] and reader.too_long == [frames.MAX_FRAME + 1]
+    reader.feed(frames._frame(b"later"))
+    assert reader.bodies == [b"ok"], "a refused connection reads nothing more"
+
+
+def test_the_mailbox_hands_items_over_in_order_and_survives_a_cancelled_get() -> None:
+    import asyncio
+
+    async def scenario() -> list[object]:
+        box = frames.Mailbox(asyncio.get_running_loop())
+        waiting = asyncio.ensure_future(box.get())
+        await asyncio.sleep(0)
+        waiting.cancel()  # a reader that gave up leaves no waiter behind
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        getter = asyncio.ensure_future(box.get())
+        await asyncio.sleep(0)
+        for item in (1, 2, 3):
+            box.put_nowait(item)
+        got = [await getter, await box.get(), box.get_nowait()]
+        assert box.empty()
+        return got
+
+    assert asyncio.run(scenario()) == [1, 2, 3]

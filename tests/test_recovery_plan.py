@@ -173,3 +173,61 @@ def test_a_group_at_max_step_on_an_older_fork_heals_from_the_latest_one() -> Non
     assert g0.heal and g0.max_replica_rank is None and g0.recover_src_manager_address in ("m1", "m2")
     assert not g1.heal and not g2.heal and g1.max_world_size == 2
     assert sorted(g1.recover_dst_replica_ranks + g2.recover_dst_replica_ranks) == [0]
+
+
+def _plan_by_scanning(replica_id: str, group_rank: int, quorum: Quorum, init_sync: bool) -> dict:
+    """The plan's rule (DESIGN.md section 6) spelled as a direct scan of every participant: the reference the
+    per-quorum layout (computed once, shared by every group rank) must agree with."""
+    parts = sorted(quorum.participants, key=lambda m: m.replica_id)
+    ids = [m.replica_id for m in parts]
+    max_step = max(m.step for m in parts)
+    fork = max(m.commit_quorum_id for m in parts if m.step == max_step)
+    at_max = [m for m in parts if m.step == max_step and m.commit_quorum_id == fork]
+    sources = [parts[0]] if init_sync and max_step == 0 else at_max
+    healers = [m for m in parts if m not in sources]
+    src, dst = None, []
+    for i, healer in enumerate(healers):
+        source = sources[(i + group_rank) % len(sources)]
+        src = source if healer.replica_id == replica_id else src
+        if source.replica_id == replica_id:
+            dst.append(ids.index(healer.replica_id))
+    at_max_ids = [m.replica_id for m in at_max]
+    return dict(replica_rank=ids.index(replica_id), heal=src is not None,
+                recover_src_replica_rank=ids.index(src.replica_id) if src else None, recover_dst_replica_ranks=dst,
+                store_address=at_max[group_rank % len(at_max)].store_address, max_step=max_step,
+                max_replica_rank=at_max_ids.index(replica_id) if replica_id in at_max_ids else None,
+                max_world_size=len(at_max), replica_ids=ids)
+
+
+@settings(max_examples=300, deadline=None)
+@given(members=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2)), min_size=1, max_size=9),
+       group_ranks=st.lists(st.integers(0, 9), min_size=1, max_size=4), init_sync=st.booleans(),
+       order=st.randoms())
+def test_plans_from_the_shared_layout_match_a_direct_scan(members: list[tuple[int, int]], group_ranks: list[int],
+                                                          init_sync: bool, order) -> None:
+    """Steps and forks (commit quorum ids) at random, participants in any order, several group ranks planned
+    from one quorum object (the layout is computed once and reused): each plan is the rule's."""
+    parts = [QuorumMember(f"r{i}", address=f"m{i}", store_address=f"s{i}", step=step, commit_quorum_id=fork)
+             for i, (step, fork) in enumerate(members)]
+    order.shuffle(parts)
+    quorum = Quorum(quorum_id=3, participants=tuple(parts))
+    for group_rank in group_ranks:
+        for member in parts:
+            got = compute_recovery_plan(member.replica_id, group_rank, quorum, init_sync)
+            want = _plan_by_scanning(member.replica_id, group_rank, quorum, init_sync)
+            assert {k: getattr(got, k) for k in want} == want
+
+
+def test_a_new_quorum_object_is_planned_afresh_even_with_the_same_id() -> None:
+    """The layout is kept per quorum object, not per quorum id: a second quorum 7 with other steps (a restarted
+    lighthouse reissuing ids) gets its own plan."""
+    first = compute_recovery_plan("replica_0", 0, make_quorum([1, 2]), True)
+    second = compute_recovery_plan("replica_0", 0, make_quorum([2, 1]), True)
+    assert (first.heal, second.heal) == (True, False)
+
+
+def test_a_quorum_mixing_group_sizes_fails_every_plan_naming_the_sizes() -> None:
+    quorum = Quorum(quorum_id=4, participants=(QuorumMember("a", world_size=2), QuorumMember("b", world_size=1)))
+    for rid in ("a", "b"):
+        with pytest.raises(QuorumError, match="a has 2, b has 1"):
+            compute_recovery_plan(rid, 0, quorum, True)

@@ -52,39 +52,34 @@ class _End:
 _CANCELLED = _End(grpc.StatusCode.CANCELLED, "cancelled by the client")
 
 
-class _StreamProtocol(asyncio.Protocol):
+class _StreamProtocol(frames.FrameReader):
     def __init__(self, deserialize: Callable[[bytes], Any]) -> None:
+        super().__init__()
         self._deserialize = deserialize
-        self._buffer = bytearray()
         self.transport: asyncio.Transport | None = None
-        self.inbox: asyncio.Queue = asyncio.Queue()  # messages, then one _End
-        self.headers: asyncio.Future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self.inbox = frames.Mailbox(loop)  # messages, then one _End
+        self.headers: asyncio.Future = loop.create_future()
         self.ended = False
         self.handler: Callable[[Any], None] | None = None  # set: messages go to it as they are read
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
-    def data_received(self, data: bytes) -> None:
-        self._buffer += data
-        size = frames._LENGTH.size
-        while not self.ended and len(self._buffer) >= size:
-            (length,) = frames._LENGTH.unpack_from(self._buffer)
-            if length > frames.MAX_FRAME:
-                self.end(grpc.StatusCode.RESOURCE_EXHAUSTED, f"frame of {length} bytes is over {frames.MAX_FRAME}")
-                return
-            if len(self._buffer) < size + length:
-                return
-            body = bytes(self._buffer[size:size + length])
-            del self._buffer[:size + length]
-            kind = body[:1]
-            if kind == frames.STREAM_MESSAGE:
-                self._deliver(self._deserialize(body[1:]))
-            elif kind == frames.STREAM_HEADERS:
-                self._settle_headers()
-            else:  # the status at the stream's end, or a plain reply: the hello was refused
-                code, details, _ = frames.parse_reply(body[1:] if kind == frames.STREAM_END else body)
-                self.end(code, details)
+    def frame_received(self, body: bytes) -> None:
+        if self.ended:
+            return
+        kind = body[:1]
+        if kind == frames.STREAM_MESSAGE:
+            self._deliver(self._deserialize(body[1:]))
+        elif kind == frames.STREAM_HEADERS:
+            self._settle_headers()
+        else:  # the status at the stream's end, or a plain reply: the hello was refused
+            code, details, _ = frames.parse_reply(body[1:] if kind == frames.STREAM_END else body)
+            self.end(code, details)
+
+    def frame_too_long(self, length: int) -> None:
+        self.end(grpc.StatusCode.RESOURCE_EXHAUSTED, f"frame of {length} bytes is over {frames.MAX_FRAME}")
 
     def _deliver(self, message: Any) -> None:
         if self.handler is None:
@@ -103,6 +98,7 @@ class _StreamProtocol(asyncio.Protocol):
         if self.ended:
             return
         self.ended = True
+        self.stop_reading()
         self.inbox.put_nowait(_End(code, details))
         self._settle_headers()
         if self.transport is not None:

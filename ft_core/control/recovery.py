@@ -6,6 +6,7 @@ section 6 is checked by table tests; the manager server only moves data to and f
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 from ft_core.errors import QuorumError
@@ -31,6 +32,72 @@ class QuorumResult:
     replica_ids: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """What every plan of one quorum shares: computed once per quorum (and init_sync), so a plan is O(1)
+    per group rank instead of sorting and scanning every participant for each (DESIGN.md section 6)."""
+
+    participants: tuple[QuorumMember, ...]  # sorted by replica_id: replica rank order
+    ids: list[str]
+    rank_of: dict[str, int]
+    max_step: int
+    at_max_step: tuple[QuorumMember, ...]  # the up-to-date groups, on the latest fork
+    max_rank_of: dict[str, int]
+    sources: tuple[QuorumMember, ...]  # the groups healers heal from
+    source_index: dict[str, int]
+    healers: tuple[QuorumMember, ...]
+    healer_index: dict[str, int]
+    commit_failures: int
+    error: str  # why no group rank can use this quorum ("" when it can)
+
+
+def _layout_of(quorum: Quorum, init_sync: bool) -> _Layout:
+    participants = tuple(sorted(quorum.participants, key=lambda m: m.replica_id))
+    ids = [m.replica_id for m in participants]
+    error = ""
+    if len({m.world_size for m in participants}) > 1:
+        by_size = ", ".join(f"{m.replica_id} has {m.world_size}" for m in participants)
+        error = (f"quorum {quorum.quorum_id} mixes replica groups of different sizes ({by_size} ranks): "
+                 f"every group must run the same number of ranks, since rank r of each group reduces with "
+                 f"rank r of the others; restart the odd group with the same number of processes")
+    max_step = max((m.step for m in participants), default=0)
+    # Groups at max_step are identical only if they committed it in the same quorum: a step committed
+    # by a group alone (its peers' votes failed) and again by others later is a fork. The latest
+    # quorum's fork is the one to keep; groups on an older one heal like groups behind.
+    fork = max((m.commit_quorum_id for m in participants if m.step == max_step), default=0)
+    at_max_step = tuple(m for m in participants if m.step == max_step and m.commit_quorum_id == fork)
+    sources = participants[:1] if init_sync and max_step == 0 else at_max_step
+    source_ids = {m.replica_id for m in sources}
+    healers = tuple(m for m in participants if m.replica_id not in source_ids)
+    return _Layout(
+        participants=participants, ids=ids, rank_of={rid: i for i, rid in enumerate(ids)}, max_step=max_step,
+        at_max_step=at_max_step, max_rank_of={m.replica_id: i for i, m in enumerate(at_max_step)},
+        sources=sources, source_index={m.replica_id: i for i, m in enumerate(sources)},
+        healers=healers, healer_index={m.replica_id: i for i, m in enumerate(healers)},
+        commit_failures=max((m.commit_failures for m in participants), default=0), error=error)
+
+
+_LAYOUTS: dict[tuple[int, bool], tuple[Quorum, _Layout]] = {}  # by (id(quorum), init_sync); keeps the quorum alive
+_LAYOUTS_KEPT = 8
+_layouts_lock = threading.Lock()
+
+
+def _layout(quorum: Quorum, init_sync: bool) -> _Layout:
+    """The quorum's layout, from a small per-process cache: every group rank of a group, and every group a
+    process hosts (the lighthouse sends them all the same quorum), plans from one quorum object."""
+    key = (id(quorum), init_sync)
+    with _layouts_lock:
+        hit = _LAYOUTS.get(key)
+    if hit is not None and hit[0] is quorum:
+        return hit[1]
+    layout = _layout_of(quorum, init_sync)
+    with _layouts_lock:
+        while len(_LAYOUTS) >= _LAYOUTS_KEPT:
+            del _LAYOUTS[next(iter(_LAYOUTS))]
+        _LAYOUTS[key] = (quorum, layout)
+    return layout
+
+
 def compute_recovery_plan(replica_id: str, group_rank: int, quorum: Quorum, init_sync: bool) -> QuorumResult:
     """The plan for group rank `group_rank` of replica group `replica_id` in `quorum`.
 
@@ -39,59 +106,37 @@ def compute_recovery_plan(replica_id: str, group_rank: int, quorum: Quorum, init
     """
     if group_rank < 0:
         raise ValueError(f"group_rank must be >= 0, got {group_rank}")
-    participants = sorted(quorum.participants, key=lambda m: m.replica_id)
-    ids = [m.replica_id for m in participants]
-    if replica_id not in ids:
+    layout = _layout(quorum, init_sync)
+    replica_rank = layout.rank_of.get(replica_id)
+    if replica_rank is None:
         raise QuorumError(f"replica group {replica_id!r} is not in quorum {quorum.quorum_id} "
-                          f"(participants {ids}); it will rejoin at its next quorum call")
-    replica_rank = ids.index(replica_id)
-    sizes = {m.world_size for m in participants}
-    if len(sizes) > 1:
-        by_size = ", ".join(f"{m.replica_id} has {m.world_size}" for m in participants)
-        raise QuorumError(f"quorum {quorum.quorum_id} mixes replica groups of different sizes ({by_size} ranks): "
-                          f"every group must run the same number of ranks, since rank r of each group reduces with "
-                          f"rank r of the others; restart the odd group with the same number of processes")
+                          f"(participants {layout.ids}); it will rejoin at its next quorum call")
+    if layout.error:
+        raise QuorumError(layout.error)
 
-    max_step = max(m.step for m in participants)
-    # Groups at max_step are identical only if they committed it in the same quorum: a step committed
-    # by a group alone (its peers' votes failed) and again by others later is a fork. The latest
-    # quorum's fork is the one to keep; groups on an older one heal like groups behind.
-    fork = max(m.commit_quorum_id for m in participants if m.step == max_step)
-    at_max_step = [m for m in participants if m.step == max_step and m.commit_quorum_id == fork]
-    at_max_ids = [m.replica_id for m in at_max_step]
-    max_replica_rank = at_max_ids.index(replica_id) if replica_id in at_max_ids else None
-    # Rendezvous load is spread over the up-to-date groups' stores; every group computes the same one.
-    store_address = at_max_step[group_rank % len(at_max_step)].store_address
+    # Healer i heals from source (i + group_rank) mod len(sources), so a source serves the healers whose
+    # index is congruent to its own minus group_rank.
+    sources, healers = layout.sources, layout.healers
+    healer = layout.healer_index.get(replica_id)
+    src = sources[(healer + group_rank) % len(sources)] if healer is not None else None
+    mine = layout.source_index.get(replica_id)
+    dst_ranks = [] if mine is None else \
+        [layout.rank_of[h.replica_id] for h in healers[(mine - group_rank) % len(sources)::len(sources)]]
 
-    if init_sync and max_step == 0:
-        sources: list[QuorumMember] = [participants[0]]
-    else:
-        sources = at_max_step
-    source_ids = {m.replica_id for m in sources}
-    healers = [m for m in participants if m.replica_id not in source_ids]
-
-    rank_of = {rid: i for i, rid in enumerate(ids)}
-    src: QuorumMember | None = None
-    dst_ranks: list[int] = []
-    for i, healer in enumerate(healers):
-        source = sources[(i + group_rank) % len(sources)]
-        if healer.replica_id == replica_id:
-            src = source
-        if source.replica_id == replica_id:
-            dst_ranks.append(rank_of[healer.replica_id])
-
+    at_max_step = layout.at_max_step
     return QuorumResult(
         quorum_id=quorum.quorum_id,
         replica_rank=replica_rank,
-        replica_world_size=len(participants),
+        replica_world_size=len(layout.participants),
         recover_src_manager_address=src.address if src is not None else "",
-        recover_src_replica_rank=rank_of[src.replica_id] if src is not None else None,
+        recover_src_replica_rank=layout.rank_of[src.replica_id] if src is not None else None,
         recover_dst_replica_ranks=dst_ranks,
-        store_address=store_address,
-        max_step=max_step,
-        max_replica_rank=max_replica_rank,
+        # Rendezvous load is spread over the up-to-date groups' stores; every group computes the same one.
+        store_address=at_max_step[group_rank % len(at_max_step)].store_address,
+        max_step=layout.max_step,
+        max_replica_rank=layout.max_rank_of.get(replica_id),
         max_world_size=len(at_max_step),
         heal=src is not None,
-        commit_failures=max(m.commit_failures for m in participants),
-        replica_ids=ids,
+        commit_failures=layout.commit_failures,
+        replica_ids=list(layout.ids),
     )
