@@ -69,7 +69,7 @@ def run(quick: bool = False, groups: Sequence[int] | None = None, hz: float = 10
         seconds: float | None = None) -> dict[str, Any]:
     """Grow the group count until p99 passes `limit_ms` (`every`: measure all counts anyway); report the
     largest count that stayed under it."""
-    groups = groups or ((16, 64, 128) if quick else (16, 32, 64, 128, 192, 256))
+    groups = groups or ((16, 64, 128) if quick else (16, 32, 64, 128, 192, 256, 320, 384))
     seconds = seconds or (2.0 if quick else 5.0)
     impls = ["ft_core"] + (["ft_core_sim"] if sim else []) + \
         (["torchft"] if baseline and _harness.torchft_available() else [])

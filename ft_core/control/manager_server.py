@@ -375,7 +375,7 @@ class ManagerServer:
             if rnd.error is None and rnd.quorum is None:
                 rnd.error = FTError("quorum round ended without a result")
             self._cond.notify_all()
-        if quorum is not None:
+        if quorum is not None and logger.isEnabledFor(logging.DEBUG):
             logger.debug("replica group %s got quorum %d (%d participants)", self.replica_id, quorum.quorum_id,
                          len(quorum.participants))
         else:

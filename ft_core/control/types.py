@@ -6,6 +6,7 @@ only the servers and clients touch protobuf messages.
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass, field
 
@@ -74,8 +75,10 @@ class Quorum:
     participants: tuple[QuorumMember, ...] = field(default_factory=tuple)
     created_unix_ms: int = 0
 
-    @property
+    @functools.cached_property
     def replica_ids(self) -> list[str]:
+        """The participants' replica ids, in order; computed once per quorum (every group a process hosts, and
+        every rank of a group, reads it each round), so the list is shared: read it, never change it."""
         return [m.replica_id for m in self.participants]
 
     def to_pb(self) -> ft_pb2.Quorum:
