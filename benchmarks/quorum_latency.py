@@ -16,6 +16,7 @@ heartbeat stream; torchft's: Rust), many per worker process, no torch import on 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -173,7 +174,8 @@ def _lighthouse_process(impl: str, conn: Any) -> None:
     conn.send(address)
     try:
         while (msg := conn.recv())[0] != "stop":
-            conn.send(time.process_time() if msg[0] == "cpu" else is_waiting(msg[1]))
+            conn.send(time.process_time() if msg[0] == "cpu" else gc.collect() if msg[0] == "settle"
+                      else is_waiting(msg[1]))
     finally:
         shutdown()
     conn.send("stopped")
@@ -256,6 +258,8 @@ def _worker_process(impl: str, lighthouse_addr: str, conn: Any) -> None:
             conn.send(got)
         elif cmd == "cpu":
             conn.send(time.process_time())
+        elif cmd == "settle":
+            conn.send(gc.collect())
         elif cmd == "stop":
             for replica_id in list(groups):
                 inboxes.pop(replica_id).put(None)
@@ -328,6 +332,16 @@ class _Job:
         self._lh_conn.send(("cpu",))
         return self._recv(self._lh_conn)
 
+    def settle(self) -> None:
+        """A full collection in every child, after the groups are added and before rounds are timed: the
+        objects the set-up left (servers, connections, threads) are sorted out now, instead of by a full
+        collection that the set-up's allocations would otherwise trigger in every process at once a few
+        seconds into the measurement. Collections the rounds themselves cause still happen, as they would."""
+        for conn in (self._lh_conn, *self.workers):
+            conn.send(("settle",))
+        for conn in (self._lh_conn, *self.workers):
+            self._recv(conn)
+
     def members_cpu_s(self) -> float:
         """CPU seconds the worker processes (the simulated groups: servers and clients) have used so far."""
         for conn in self.workers:
@@ -368,6 +382,7 @@ def measure(impl: str, n_groups: int, rounds: int, warmup: int, membership: bool
         for i in range(n_groups):
             members.append(f"group_{i:04d}")
             job.add(members[-1])
+        job.settle()
         serial = n_groups
         for rnd in range(warmup + rounds):
             joiner = None

@@ -82,7 +82,7 @@ SURVIVOR_GAP_S = 0.2
 RESTART_S = 2.5
 HEAL_GBPS = 4.0  # 1 GB heal transfer
 LOST_STEPS_KILLS = 10  # survivors' steps lost per SIGKILL: 0 in at least this many kills
-EXTRA_GROUPS = (128, 256, 384)  # also reported where measured
+EXTRA_GROUPS = (128, 256, 384, 512)  # also reported where measured
 
 
 def _at_most(a: Any, b: Any) -> str:

@@ -3,6 +3,7 @@ Quorum calls, the step-keyed commit barrier, checkpoint metadata, validation, to
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import threading
 import time
@@ -58,10 +59,12 @@ def quorum_calls(clients: list[ManagerClient], steps: list[int], metadata: str =
             for r in range(len(clients))]
 
 
-def test_every_rank_gets_its_own_plan_from_one_lighthouse_quorum(group: tuple[ManagerServer, list[ManagerClient]]
-                                                                 ) -> None:
+def test_every_rank_gets_its_own_plan_from_one_lighthouse_quorum(group: tuple[ManagerServer, list[ManagerClient]],
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
     server, clients = group
-    results = [r for r, _ in run_calls(quorum_calls(clients, [3, 3]))]
+    with caplog.at_level(logging.INFO, logger="ft_core.control.manager_server"):
+        results = [r for r, _ in run_calls(quorum_calls(clients, [3, 3]))]
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO], "a healthy round logs nothing"
     assert all(isinstance(r, QuorumResult) for r in results), results
     first, second = results
     assert first.quorum_id == second.quorum_id >= 1

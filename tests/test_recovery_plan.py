@@ -231,3 +231,30 @@ def test_a_quorum_mixing_group_sizes_fails_every_plan_naming_the_sizes() -> None
     for rid in ("a", "b"):
         with pytest.raises(QuorumError, match="a has 2, b has 1"):
             compute_recovery_plan(rid, 0, quorum, True)
+
+
+def test_a_quorum_decoded_from_the_lighthouse_bytes_plans_alike_without_participant_objects() -> None:
+    """The member side decodes each quorum to its roster (columns of strings and ints) only: plans and
+    replica ids come from it, so a kept quorum holds no object per participant for the cycle collector
+    (types.Roster); the participants are decoded when something reads them, and equal the issued ones."""
+    import gc
+
+    from ft_core.control.proto import ft_pb2
+
+    issued = Quorum(quorum_id=9, created_unix_ms=5, participants=tuple(
+        QuorumMember(f"decoded-{i:03d}", address=f"m{i}", store_address=f"s{i}", step=4 if i % 3 else 3,
+                     commit_quorum_id=8) for i in range(300)))
+    raw = ft_pb2.LighthouseQuorumResponse(quorum=issued.to_pb()).SerializeToString()
+    decoded = Quorum.from_response_bytes(raw)
+    assert Quorum.from_response_bytes(raw) is decoded, "members of one process share one decoded quorum"
+    for group_rank in (0, 1):
+        for rid in ("decoded-000", "decoded-001", "decoded-299"):
+            assert compute_recovery_plan(rid, group_rank, decoded, True) == \
+                compute_recovery_plan(rid, group_rank, issued, True)
+    assert decoded.replica_ids == issued.replica_ids
+    gc.collect()
+    alive = [o for o in gc.get_objects() if type(o) is QuorumMember and o.replica_id.startswith("decoded-")
+             and not any(o is m for m in issued.participants)]
+    assert alive == [] and "participants" not in decoded.__dict__
+    assert not gc.is_tracked(decoded.roster.replica_ids), "the roster's columns are left out of full collections"
+    assert decoded.participants == issued.participants and decoded == issued

@@ -368,16 +368,17 @@ class ManagerServer:
         with self._cond:
             if quorum is not None:
                 if quorum.quorum_id >= self._last_quorum_id:
-                    self._last_quorum_replica_ids = tuple(quorum.replica_ids)
+                    self._last_quorum_replica_ids = quorum.roster.replica_ids
                 self._last_quorum_id = max(self._last_quorum_id, quorum.quorum_id)
                 self._last_quorum = quorum
             rnd.quorum, rnd.error = quorum, error
             if rnd.error is None and rnd.quorum is None:
                 rnd.error = FTError("quorum round ended without a result")
             self._cond.notify_all()
-        if quorum is not None and logger.isEnabledFor(logging.DEBUG):
-            logger.debug("replica group %s got quorum %d (%d participants)", self.replica_id, quorum.quorum_id,
-                         len(quorum.participants))
+        if quorum is not None:
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("replica group %s got quorum %d (%d participants)", self.replica_id, quorum.quorum_id,
+                             len(quorum.roster.replica_ids))
         else:
             logger.warning("quorum round of replica group %s failed: %s", self.replica_id, error,
                            extra={"ft_event": {"type": "error", "replica_id": self.replica_id,

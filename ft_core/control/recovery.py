@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass, field
 
 from ft_core.errors import QuorumError
-from ft_core.control.types import Quorum, QuorumMember
+from ft_core.control.types import Quorum
 
 
 @dataclass(frozen=True)
@@ -35,46 +35,54 @@ class QuorumResult:
 @dataclass(frozen=True)
 class _Layout:
     """What every plan of one quorum shares: computed once per quorum (and init_sync), so a plan is O(1)
-    per group rank instead of sorting and scanning every participant for each (DESIGN.md section 6)."""
+    per group rank instead of sorting and scanning every participant for each (DESIGN.md section 6).
+    Participants are named by their replica rank (their place in replica_id order); only strings, ints
+    and tuples of them, so a kept layout gives the cycle collector nothing to carry (types.Roster)."""
 
-    participants: tuple[QuorumMember, ...]  # sorted by replica_id: replica rank order
-    ids: list[str]
+    ids: tuple[str, ...]  # replica ids in replica rank order
     rank_of: dict[str, int]
+    addresses: tuple[str, ...]  # by replica rank
+    store_addresses: tuple[str, ...]
     max_step: int
-    at_max_step: tuple[QuorumMember, ...]  # the up-to-date groups, on the latest fork
+    at_max_step: tuple[int, ...]  # replica ranks of the up-to-date groups, on the latest fork
     max_rank_of: dict[str, int]
-    sources: tuple[QuorumMember, ...]  # the groups healers heal from
+    sources: tuple[int, ...]  # replica ranks healers heal from
     source_index: dict[str, int]
-    healers: tuple[QuorumMember, ...]
+    healers: tuple[int, ...]
     healer_index: dict[str, int]
     commit_failures: int
     error: str  # why no group rank can use this quorum ("" when it can)
 
 
 def _layout_of(quorum: Quorum, init_sync: bool) -> _Layout:
-    participants = tuple(sorted(quorum.participants, key=lambda m: m.replica_id))
-    ids = [m.replica_id for m in participants]
+    roster = quorum.roster
+    order = sorted(range(len(roster.replica_ids)), key=roster.replica_ids.__getitem__)
+    ids = tuple([roster.replica_ids[i] for i in order])
+    steps = [roster.steps[i] for i in order]
+    forks = [roster.commit_quorum_ids[i] for i in order]
     error = ""
-    if len({m.world_size for m in participants}) > 1:
-        by_size = ", ".join(f"{m.replica_id} has {m.world_size}" for m in participants)
+    if len(set(roster.world_sizes)) > 1:
+        by_size = ", ".join(f"{ids[r]} has {roster.world_sizes[i]}" for r, i in enumerate(order))
         error = (f"quorum {quorum.quorum_id} mixes replica groups of different sizes ({by_size} ranks): "
                  f"every group must run the same number of ranks, since rank r of each group reduces with "
                  f"rank r of the others; restart the odd group with the same number of processes")
-    max_step = max((m.step for m in participants), default=0)
+    max_step = max(steps, default=0)
     # Groups at max_step are identical only if they committed it in the same quorum: a step committed
     # by a group alone (its peers' votes failed) and again by others later is a fork. The latest
     # quorum's fork is the one to keep; groups on an older one heal like groups behind.
-    fork = max((m.commit_quorum_id for m in participants if m.step == max_step), default=0)
-    at_max_step = tuple(m for m in participants if m.step == max_step and m.commit_quorum_id == fork)
-    sources = participants[:1] if init_sync and max_step == 0 else at_max_step
-    source_ids = {m.replica_id for m in sources}
-    healers = tuple(m for m in participants if m.replica_id not in source_ids)
+    fork = max((f for s, f in zip(steps, forks) if s == max_step), default=0)
+    at_max_step = tuple([r for r in range(len(ids)) if steps[r] == max_step and forks[r] == fork])
+    sources = ((0,) if ids else ()) if init_sync and max_step == 0 else at_max_step
+    source_set = set(sources)
+    healers = tuple([r for r in range(len(ids)) if r not in source_set])
     return _Layout(
-        participants=participants, ids=ids, rank_of={rid: i for i, rid in enumerate(ids)}, max_step=max_step,
-        at_max_step=at_max_step, max_rank_of={m.replica_id: i for i, m in enumerate(at_max_step)},
-        sources=sources, source_index={m.replica_id: i for i, m in enumerate(sources)},
-        healers=healers, healer_index={m.replica_id: i for i, m in enumerate(healers)},
-        commit_failures=max((m.commit_failures for m in participants), default=0), error=error)
+        ids=ids, rank_of={rid: r for r, rid in enumerate(ids)},
+        addresses=tuple([roster.addresses[i] for i in order]),
+        store_addresses=tuple([roster.store_addresses[i] for i in order]), max_step=max_step,
+        at_max_step=at_max_step, max_rank_of={ids[r]: i for i, r in enumerate(at_max_step)},
+        sources=sources, source_index={ids[r]: i for i, r in enumerate(sources)},
+        healers=healers, healer_index={ids[r]: i for i, r in enumerate(healers)},
+        commit_failures=max(roster.commit_failures, default=0), error=error)
 
 
 _LAYOUTS: dict[tuple[int, bool], tuple[Quorum, _Layout]] = {}  # by (id(quorum), init_sync); keeps the quorum alive
@@ -110,7 +118,7 @@ def compute_recovery_plan(replica_id: str, group_rank: int, quorum: Quorum, init
     replica_rank = layout.rank_of.get(replica_id)
     if replica_rank is None:
         raise QuorumError(f"replica group {replica_id!r} is not in quorum {quorum.quorum_id} "
-                          f"(participants {layout.ids}); it will rejoin at its next quorum call")
+                          f"(participants {list(layout.ids)}); it will rejoin at its next quorum call")
     if layout.error:
         raise QuorumError(layout.error)
 
@@ -120,19 +128,18 @@ def compute_recovery_plan(replica_id: str, group_rank: int, quorum: Quorum, init
     healer = layout.healer_index.get(replica_id)
     src = sources[(healer + group_rank) % len(sources)] if healer is not None else None
     mine = layout.source_index.get(replica_id)
-    dst_ranks = [] if mine is None else \
-        [layout.rank_of[h.replica_id] for h in healers[(mine - group_rank) % len(sources)::len(sources)]]
+    dst_ranks = [] if mine is None else list(healers[(mine - group_rank) % len(sources)::len(sources)])
 
     at_max_step = layout.at_max_step
     return QuorumResult(
         quorum_id=quorum.quorum_id,
         replica_rank=replica_rank,
-        replica_world_size=len(layout.participants),
-        recover_src_manager_address=src.address if src is not None else "",
-        recover_src_replica_rank=layout.rank_of[src.replica_id] if src is not None else None,
+        replica_world_size=len(layout.ids),
+        recover_src_manager_address=layout.addresses[src] if src is not None else "",
+        recover_src_replica_rank=src,
         recover_dst_replica_ranks=dst_ranks,
         # Rendezvous load is spread over the up-to-date groups' stores; every group computes the same one.
-        store_address=at_max_step[group_rank % len(at_max_step)].store_address,
+        store_address=layout.store_addresses[at_max_step[group_rank % len(at_max_step)]],
         max_step=layout.max_step,
         max_replica_rank=layout.max_rank_of.get(replica_id),
         max_world_size=len(at_max_step),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 from ft_core.control.proto import ft_pb2
 
@@ -68,18 +69,61 @@ class QuorumMember:
 
 
 @dataclass(frozen=True)
+class Roster:
+    """A quorum's participants as columns, in participant order: what recovery plans and quorum rounds read
+    each step. Tuples of strings and ints are dropped by the cycle collector from its watch at its next pass,
+    so a quorum a member keeps for a round adds nothing for full collections to carry (one object per
+    participant did: at a few hundred groups, a full collection every few seconds in every process that
+    hosts groups)."""
+
+    replica_ids: tuple[str, ...]
+    addresses: tuple[str, ...]
+    store_addresses: tuple[str, ...]
+    steps: tuple[int, ...]
+    world_sizes: tuple[int, ...]
+    commit_quorum_ids: tuple[int, ...]
+    commit_failures: tuple[int, ...]
+
+    @classmethod
+    def of(cls, members: Any) -> "Roster":
+        """From QuorumMembers or protobuf QuorumMember messages (the same field names)."""
+        members = list(members)
+        return cls(replica_ids=tuple([m.replica_id for m in members]), addresses=tuple([m.address for m in members]),
+                   store_addresses=tuple([m.store_address for m in members]), steps=tuple([m.step for m in members]),
+                   world_sizes=tuple([m.world_size for m in members]),
+                   commit_quorum_ids=tuple([m.commit_quorum_id for m in members]),
+                   commit_failures=tuple([m.commit_failures for m in members]))
+
+
+@dataclass(frozen=True)
 class Quorum:
-    """An issued quorum: its id and participants sorted by replica_id."""
+    """An issued quorum: its id and participants sorted by replica_id.
+
+    A quorum decoded from the lighthouse's answer (from_response_bytes) has its roster only; its
+    `participants` are decoded from the kept bytes the first time something reads them."""
 
     quorum_id: int
     participants: tuple[QuorumMember, ...] = field(default_factory=tuple)
     created_unix_ms: int = 0
 
+    def __getattr__(self, name: str) -> Any:  # only for attributes not yet in the instance: the lazy participants
+        raw = self.__dict__.get("_raw")
+        if name != "participants" or raw is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        participants = tuple(QuorumMember.from_pb(m)
+                             for m in ft_pb2.LighthouseQuorumResponse.FromString(raw).quorum.participants)
+        self.__dict__["participants"] = participants
+        return participants
+
+    @functools.cached_property
+    def roster(self) -> Roster:
+        return Roster.of(self.participants)
+
     @functools.cached_property
     def replica_ids(self) -> list[str]:
         """The participants' replica ids, in order; computed once per quorum (every group a process hosts, and
         every rank of a group, reads it each round), so the list is shared: read it, never change it."""
-        return [m.replica_id for m in self.participants]
+        return list(self.roster.replica_ids)
 
     def to_pb(self) -> ft_pb2.Quorum:
         return ft_pb2.Quorum(quorum_id=self.quorum_id, participants=[m.to_pb() for m in self.participants],
@@ -92,12 +136,16 @@ class Quorum:
 
     @classmethod
     def from_response_bytes(cls, raw: bytes) -> "Quorum":
-        """The quorum of a serialized LighthouseQuorumResponse. The lighthouse sends every member the same
-        bytes, so the members of one process (a launcher's, a benchmark's) decode each quorum once."""
+        """The quorum of a serialized LighthouseQuorumResponse, with its roster and without participant objects
+        (see Roster). The lighthouse sends every member the same bytes, so the members of one process (a
+        launcher's, a benchmark's) decode each quorum once."""
         with _decoded_lock:
             quorum = _DECODED.get(raw)
         if quorum is None:
-            quorum = cls.from_pb(ft_pb2.LighthouseQuorumResponse.FromString(raw).quorum)
+            msg = ft_pb2.LighthouseQuorumResponse.FromString(raw).quorum
+            quorum = object.__new__(cls)
+            quorum.__dict__.update(quorum_id=msg.quorum_id, created_unix_ms=msg.created_unix_ms,
+                                   roster=Roster.of(msg.participants), _raw=raw)
             with _decoded_lock:
                 while len(_DECODED) >= _DECODED_KEPT:
                     del _DECODED[next(iter(_DECODED))]
