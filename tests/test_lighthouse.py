@@ -793,3 +793,27 @@ def test_stream_quorum_polls_are_freed_without_the_cycle_collector(wire: str, mo
         finally:
             for client in clients.values():
                 client.close()
+
+
+def test_a_quorum_call_whose_channel_is_reset_under_it_goes_on_within_its_deadline() -> None:
+    """A client's heartbeat stream resets a lighthouse's channel when its own stream there breaks; a unary
+    quorum long poll in flight on that channel then ends at once with CANCELLED ("Channel closed!"). It is
+    no timeout: the call goes on on a fresh channel and gets its quorum (before: FTTimeoutError at once)."""
+    with LighthouseServer(min_replicas=2, join_timeout_ms=10_000, http_bind=None) as lighthouse:
+        first, second = LighthouseClient(lighthouse.address()), LighthouseClient(lighthouse.address())
+        try:
+            answers: list[object] = []
+            caller = threading.Thread(target=lambda: answers.extend(
+                value for value, _ in run_calls([lambda: first.quorum(QuorumMember("a"), 15 * SECOND)])))
+            caller.start()
+            wait_for(lambda: any(m["replica_id"] == "a" and m["waiting"] for m in lighthouse.core.status()["members"]),
+                     10, "a's call to wait at the lighthouse")
+            first._reset(lighthouse.address())  # what the stream's failure handling does, from its own thread
+            time.sleep(0.3)
+            assert second.quorum(QuorumMember("b"), 15 * SECOND).replica_ids == ["a", "b"]
+            caller.join(20)
+            assert len(answers) == 1 and isinstance(answers[0], Quorum), answers
+            assert answers[0].replica_ids == ["a", "b"]
+        finally:
+            first.close()
+            second.close()

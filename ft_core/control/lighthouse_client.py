@@ -36,6 +36,7 @@ from ft_core.net import split_addresses
 logger = logging.getLogger(__name__)
 
 _CONNECTIVITY = {state.value[0]: state for state in grpc.ChannelConnectivity}
+EARLY_END_S = 0.25  # a call that "times out" this long before its deadline did not: its channel was closed
 
 
 def wait_ready(channel: grpc.Channel, timeout_s: float) -> bool:
@@ -224,6 +225,15 @@ class LighthouseClient:
                     response = call(invoke(self._stub(addr)), request,
                                     peer=addr, name=f"LighthouseService.{name}", timeout=deadline - time.monotonic(),
                                     token=self._token)
+                except FTTimeoutError as exc:
+                    if time.monotonic() >= deadline - EARLY_END_S:
+                        raise
+                    # Ended well before its deadline: not a timeout but the call's channel closed under it (this
+                    # client's heartbeat stream resets a lighthouse's channel when its own stream there breaks).
+                    last_problem = str(exc)
+                    self._reset(addr)
+                    first_failure = first_failure or time.monotonic()
+                    continue
                 except RPCError as exc:
                     if exc.code != "UNAVAILABLE":
                         raise
