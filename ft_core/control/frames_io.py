@@ -5,6 +5,7 @@ Every frame is `u32 length` (big-endian) + body; a frame over MAX_FRAME is a pro
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import collections
 import struct
@@ -20,7 +21,7 @@ def _frame(body: bytes) -> bytes:
     return _LENGTH.pack(len(body)) + body
 
 
-class FrameReader(asyncio.BufferedProtocol):
+class FrameReader(asyncio.BufferedProtocol, metaclass=abc.ABCMeta):
     """A protocol that reads length-prefixed frames into one reused buffer (recv_into) and hands each frame's
     body to frame_received. asyncio's plain Protocol allocates a 256 KiB bytes object for every read, which
     glibc maps, shrinks and unmaps: three system calls beside each recv, a quarter of a busy lighthouse's CPU."""
@@ -75,11 +76,13 @@ class FrameReader(asyncio.BufferedProtocol):
         self._reading = False
         self._rstart = self._rend = self._rneed = 0
 
+    @abc.abstractmethod
     def frame_received(self, body: bytes) -> None:
-        raise NotImplementedError
+        """One whole frame's body, in order."""
 
+    @abc.abstractmethod
     def frame_too_long(self, length: int) -> None:
-        raise NotImplementedError
+        """A frame announced itself longer than MAX_FRAME: reading has stopped; close the connection."""
 
 
 class Mailbox:
