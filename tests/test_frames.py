@@ -361,3 +361,19 @@ def test_the_mailbox_hands_items_over_in_order_and_survives_a_cancelled_get() ->
         return got
 
     assert asyncio.run(scenario()) == [1, 2, 3]
+
+
+def test_the_blocking_client_reads_a_reply_that_arrives_in_pieces_and_fails_on_a_cut_one() -> None:
+    body = frames.reply_frame(grpc.StatusCode.OK, "", b"x" * 100_000)  # longer than one first read
+    a, b = socket.socketpair()
+    with a, b:
+        sender = threading.Thread(target=lambda: [b.sendall(body[i:i + 3]) or time.sleep(0.0005)
+                                                  for i in range(0, 12, 3)] + [b.sendall(body[12:])])
+        sender.start()
+        a.settimeout(5)
+        assert frames._read_frame(a, time.monotonic() + 5) == body[4:]
+        sender.join(5)
+        b.sendall(body[:50])
+        b.shutdown(socket.SHUT_WR)
+        with pytest.raises(EOFError):
+            frames._read_frame(a, time.monotonic() + 5)

@@ -431,24 +431,21 @@ def _read_frame(sock: socket.socket, deadline: float) -> bytes:
     """The body of the reply frame, usually from one recv: a reply is the only frame in flight on its
     connection, so reading past it cannot take bytes of another. The socket's timeout is set by the caller;
     it is set again only when the frame needs more reads."""
-    data = sock.recv(_FIRST_READ)
-    while True:
-        if not data:
-            raise EOFError("the server closed the connection")
+    data = bytearray()
+    chunk = sock.recv(_FIRST_READ)
+    while chunk:
+        data += chunk
+        need = _LENGTH.size
         if len(data) >= _LENGTH.size:
             (length,) = _LENGTH.unpack_from(data)
             if length > MAX_FRAME:
                 raise EOFError(f"frame of {length} bytes is over {MAX_FRAME}")
-            if len(data) >= _LENGTH.size + length:
-                return bytes(data[_LENGTH.size:_LENGTH.size + length])
-            missing = _LENGTH.size + length - len(data)
-        else:
-            missing = _LENGTH.size - len(data)
+            need += length
+            if len(data) >= need:
+                return bytes(data[_LENGTH.size:need])
         sock.settimeout(max(deadline - time.monotonic(), 0.001))
-        chunk = sock.recv(missing)
-        if not chunk:
-            raise EOFError("the server closed the connection")
-        data = (data if isinstance(data, bytearray) else bytearray(data)) + chunk
+        chunk = sock.recv(need - len(data))
+    raise EOFError("the server closed the connection")
 
 
 class _ReplyProtocol(FrameReader):
