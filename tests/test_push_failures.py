@@ -522,3 +522,27 @@ def test_every_rank_of_the_survivors_fails_fast_when_a_host_is_cut_not_only_grou
             assert by_step.setdefault(c["step"], c["w"]) == c["w"], f"group {g} rank {r} differs at step {c['step']}"
     finals = [rank_commits(tmp_path, 0, r)[-1] for r in (0, 1)]
     assert finals[0]["step"] == finals[1]["step"] == stop_at and finals[0]["w"] == finals[1]["w"], finals
+
+
+@pytest.mark.timeout(60)
+def test_a_first_listener_gets_the_kept_notices_however_late_its_thread_runs_after_the_subscription_starts(
+        monkeypatch) -> None:
+    """The listener given to a client's first add_failure_listener is registered before its subscription
+    starts: the server's backlog, sent as soon as the subscription opens, reaches it even when the calling
+    thread is descheduled right after the subscription is made (a loaded machine; the suite once missed the
+    kept notice this way)."""
+    started = NoticeSubscription.__init__
+
+    def descheduled(self, *args, **kwargs) -> None:
+        started(self, *args, **kwargs)
+        assert self.wait_subscribed(10)
+        time.sleep(0.5)  # the backlog is delivered meanwhile
+
+    monkeypatch.setattr(NoticeSubscription, "__init__", descheduled)
+    with LighthouseServer(min_replicas=1, http_bind=None) as lh, \
+            ManagerServer("a", lh.address(), world_size=2) as server:
+        server._notices.publish(7, "b")
+        late = Notices()
+        with ManagerClient(server.address()) as rank1:
+            rank1.add_failure_listener(late)
+            assert late.wait_for("b", 10) == [(7, "b")], "the kept notice went to no listener"

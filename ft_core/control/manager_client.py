@@ -77,9 +77,10 @@ class ManagerClient:
         """Call `listener(quorum_id, lost_replica_id)` for each PeerLost notice the lighthouse pushes to this
         group (its manager server forwards them, ft_core.control.notices): as ManagerServer's, for ranks > 0.
         The first call subscribes; called on the subscription's thread, so keep it short and non-blocking."""
-        if self._notices is None:
-            self._notices = NoticeSubscription(self._stub, self._addr, self._token)
-        self._notices.add_listener(listener)
+        if self._notices is None:  # registered before the subscription starts: it gets the server's backlog
+            self._notices = NoticeSubscription(self._stub, self._addr, self._token, listeners=(listener,))
+        else:
+            self._notices.add_listener(listener)
 
     def wait_failure_subscription(self, timeout: timedelta | float) -> bool:
         """True once the server has registered this client's subscription (False without a listener)."""

@@ -137,12 +137,15 @@ def to_pb(notice: Notice) -> ft_pb2.PeerLostNotice:
 class NoticeSubscription:
     """A rank > 0's subscription to its group's manager server, on a named thread: calls each listener with
     (quorum_id, lost_replica_id) for every notice, as the server's own listeners are called. Resubscribes
-    when the stream ends (at once after its deadline, else with capped backoff); `close()` ends it."""
+    when the stream ends (at once after its deadline, else with capped backoff); `close()` ends it.
+    `listeners` are registered before the thread starts, so they get the server's kept notices too (a
+    listener added later gets the notices that arrive after it)."""
 
-    def __init__(self, stub: Any, addr: str, token: str | None, renew_s: float = RENEW_S) -> None:
+    def __init__(self, stub: Any, addr: str, token: str | None, renew_s: float = RENEW_S,
+                 listeners: tuple[Callable[[int, str], None], ...] = ()) -> None:
         self._stub, self._addr, self._token, self._renew_s = stub, addr, token, renew_s
         self._lock = threading.Lock()
-        self._listeners: list[Callable[[int, str], None]] = []
+        self._listeners: list[Callable[[int, str], None]] = list(listeners)
         self._call: Any = None
         self._stop = threading.Event()
         self._subscribed = threading.Event()
