@@ -795,6 +795,42 @@ def test_stream_quorum_polls_are_freed_without_the_cycle_collector(wire: str, mo
                 client.close()
 
 
+def test_a_reset_closes_a_channel_only_after_the_last_call_on_it_ends() -> None:
+    """A reset (the heartbeat stream's, from its own thread) retires the channel: new calls get a fresh one,
+    and the quorum long poll in flight on the old one goes on there, unbroken and not sent again; the old
+    channel is closed once that call ends (before: closed at once, cancelling the call under it)."""
+    import grpc
+
+    def probe(channel) -> grpc.StatusCode:
+        """A call on `channel` that touches no lighthouse state: UNIMPLEMENTED when it is open."""
+        with pytest.raises(grpc.RpcError) as err:
+            channel.unary_unary("/ft.Probe/Nothing")(b"", timeout=5)
+        return err.value.code()
+
+    with LighthouseServer(min_replicas=2, join_timeout_ms=10_000, http_bind=None) as lighthouse:
+        addr = lighthouse.address()
+        first, second = LighthouseClient(addr), LighthouseClient(addr)
+        try:
+            answers: list[object] = []
+            caller = threading.Thread(target=lambda: answers.extend(
+                value for value, _ in run_calls([lambda: first.quorum(QuorumMember("a"), 15 * SECOND)])))
+            caller.start()
+            wait_for(lambda: any(m["replica_id"] == "a" and m["waiting"] for m in lighthouse.core.status()["members"]),
+                     10, "a's call to wait at the lighthouse")
+            old = first._channels[addr]
+            first._reset(addr)
+            assert first._channels.get(addr) is not old
+            assert probe(old) is grpc.StatusCode.UNIMPLEMENTED  # still open: a's poll is on it
+            assert second.quorum(QuorumMember("b"), 15 * SECOND).replica_ids == ["a", "b"]
+            caller.join(20)
+            assert len(answers) == 1 and isinstance(answers[0], Quorum), answers
+            with pytest.raises(ValueError, match="closed channel"):  # closed by the poll's end
+                old.unary_unary("/ft.Probe/Nothing")(b"", timeout=5)
+        finally:
+            first.close()
+            second.close()
+
+
 def test_a_quorum_call_whose_channel_is_reset_under_it_goes_on_within_its_deadline() -> None:
     """A client's heartbeat stream resets a lighthouse's channel when its own stream there breaks; a unary
     quorum long poll in flight on that channel then ends at once with CANCELLED ("Channel closed!"). It is

@@ -8,11 +8,13 @@ TimeoutError); everything else as `RPCError`/`AuthError` naming the peer, the ca
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
@@ -128,6 +130,7 @@ class LighthouseClient:
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, ft_pb2_grpc.LighthouseServiceStub] = {}
+        self._calls: collections.Counter[grpc.Channel] = collections.Counter()  # calls in flight per channel
         self._ready: set[str] = set()
         self._preferred = 0
         self._streams: list[HeartbeatStreamHandle] = []
@@ -141,13 +144,16 @@ class LighthouseClient:
 
     def _channel(self, addr: str) -> grpc.Channel:
         with self._lock:
-            if self._closed:
-                raise RPCError(f"LighthouseClient for {self._addrs} is closed", peer=addr, call="", code="CLOSED")
-            channel = self._channels.get(addr)
-            if channel is None:
-                channel = open_channel(addr, CLIENT_CHANNEL_OPTIONS)  # TLS when FT_TLS_CA/FT_TLS_CERT are set
-                self._channels[addr] = channel
-            return channel
+            return self._channel_locked(addr)
+
+    def _channel_locked(self, addr: str) -> grpc.Channel:
+        if self._closed:
+            raise RPCError(f"LighthouseClient for {self._addrs} is closed", peer=addr, call="", code="CLOSED")
+        channel = self._channels.get(addr)
+        if channel is None:
+            channel = open_channel(addr, CLIENT_CHANNEL_OPTIONS)  # TLS when FT_TLS_CA/FT_TLS_CERT are set
+            self._channels[addr] = channel
+        return channel
 
     def _connected(self, addr: str, timeout_s: float) -> bool:
         if addr in self._ready:
@@ -158,26 +164,37 @@ class LighthouseClient:
         self._reset(addr)
         return False
 
-    def _stub(self, addr: str) -> ft_pb2_grpc.LighthouseServiceStub:
-        """The stub over `addr`'s channel, built once per channel (building one per call costs a hop's worth)."""
-        stub = self._stubs.get(addr)
-        if stub is None:
-            channel = self._channel(addr)
+    @contextlib.contextmanager
+    def _using(self, addr: str) -> Iterator[ft_pb2_grpc.LighthouseServiceStub]:
+        """The stub over `addr`'s channel for one call. A reset meanwhile (the heartbeat stream's, from its
+        own thread) retires the channel: later calls get a fresh one, and it is closed when its last call ends."""
+        with self._lock:
+            channel = self._channel_locked(addr)
+            stub = self._stubs.get(addr)
+            if stub is None:  # built once per channel (building one per call costs a hop's worth)
+                stub = self._stubs[addr] = ft_pb2_grpc.LighthouseServiceStub(channel)
+            self._calls[channel] += 1
+        try:
+            yield stub
+        finally:
             with self._lock:
-                stub = self._stubs.get(addr)
-                if stub is None or self._channels.get(addr) is not channel:
-                    stub = ft_pb2_grpc.LighthouseServiceStub(channel)
-                    if self._channels.get(addr) is channel:
-                        self._stubs[addr] = stub
-        return stub
+                self._calls[channel] -= 1
+                last = not self._calls[channel]
+                if last:
+                    del self._calls[channel]
+                retired = last and self._channels.get(addr) is not channel
+            if retired and not self._closed:  # close() closed it
+                channel.close()
 
     def _reset(self, addr: str) -> None:
-        """Forget a failed channel so the next attempt opens a fresh connection at once."""
+        """Forget a failed channel so the next attempt opens a fresh connection at once. It is closed now, or by
+        the last call still on it when that call ends (closing it under a call would cancel the call)."""
         with self._lock:
             self._ready.discard(addr)
             self._stubs.pop(addr, None)
             channel = self._channels.pop(addr, None)
-        if channel is not None:
+            busy = channel is not None and self._calls[channel] > 0
+        if channel is not None and not busy:
             channel.close()
 
     def _order(self) -> list[str]:
@@ -222,14 +239,14 @@ class LighthouseClient:
                     first_failure = first_failure or now
                     continue
                 try:
-                    response = call(invoke(self._stub(addr)), request,
-                                    peer=addr, name=f"LighthouseService.{name}", timeout=deadline - time.monotonic(),
-                                    token=self._token)
+                    with self._using(addr) as stub:
+                        response = call(invoke(stub), request, peer=addr, name=f"LighthouseService.{name}",
+                                        timeout=deadline - time.monotonic(), token=self._token)
                 except FTTimeoutError as exc:
                     if time.monotonic() >= deadline - EARLY_END_S:
                         raise
-                    # Ended well before its deadline: not a timeout but the call's channel closed under it (this
-                    # client's heartbeat stream resets a lighthouse's channel when its own stream there breaks).
+                    # Ended well before its deadline: not a timeout but a call cancelled under it (a server ending its
+                    # calls as it stops): go on on a fresh channel, or the next address, within the deadline.
                     last_problem = str(exc)
                     self._reset(addr)
                     first_failure = first_failure or time.monotonic()
@@ -314,8 +331,9 @@ class LighthouseClient:
             try:
                 if not self._connected(addr, min(CONNECT_ATTEMPT_S, seconds(timeout))):
                     raise RPCError(f"could not connect to lighthouse {addr}", peer=addr, code="UNAVAILABLE")
-                call(self._stub(addr).Heartbeat, request, peer=addr, name="LighthouseService.Heartbeat",
-                     timeout=timeout, token=self._token)
+                with self._using(addr) as stub:
+                    call(stub.Heartbeat, request, peer=addr, name="LighthouseService.Heartbeat", timeout=timeout,
+                         token=self._token)
                 told.append(addr)
             except FTError as exc:  # best effort: a lighthouse that missed it cannot refuse a late group
                 logger.warning("replica %s: lighthouse %s did not take the 'finished at step %d' notice: %s",
