@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -853,3 +854,26 @@ def test_a_quorum_call_whose_channel_is_reset_under_it_goes_on_within_its_deadli
         finally:
             first.close()
             second.close()
+
+
+@pytest.mark.parametrize("wire", ["frames", "grpc"])
+def test_a_stall_of_the_member_s_own_loop_is_not_read_as_a_silent_lighthouse(
+        wire: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A stream reconnects when the lighthouse leaves its heartbeats unanswered for the stale time (3 s). A
+    member whose own stream loop stalls that long (a loaded machine, a long pause) sent no heartbeat
+    meanwhile, so none went unanswered: the stream stays (before: "stopped answering", a reconnect, and a
+    quorum asked meanwhile refused with StreamUnavailable; the busy suite hit it)."""
+    monkeypatch.setenv("FT_FRAMES", "1" if wire == "frames" else "0")
+    with LighthouseServer(min_replicas=1, http_bind=None) as lighthouse, \
+            LighthouseClient(lighthouse.address()) as client:
+        stream = client.start_heartbeat_stream("a", interval=timedelta(milliseconds=50))
+        assert stream.wait_connected(10)
+        call = stream._call
+        with caplog.at_level(logging.WARNING, logger="ft_core.control.lighthouse_client"):
+            stream._loop.call_soon_threadsafe(time.sleep, stream._stale_after_s + 1.0)  # the loop's thread stalls
+            time.sleep(stream._stale_after_s + 1.5)
+            wait_for(lambda: asyncio.run_coroutine_threadsafe(asyncio.sleep(0), stream._loop).result(5) is None, 10)
+            time.sleep(0.5)  # a few beats after the stall
+        assert "stopped answering" not in caplog.text
+        assert stream._call is call and stream.connected, "the stream was reopened"
+        assert stream.quorum(QuorumMember("a", address="127.0.0.1:1"), 10 * SECOND).replica_ids == ["a"]

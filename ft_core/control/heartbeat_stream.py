@@ -46,6 +46,7 @@ CLIENT_CHANNEL_OPTIONS = CHANNEL_OPTIONS + [
 CONNECT_ATTEMPT_S = 1.0  # longest single connection attempt before trying the next address
 CLEAN_CLOSE_S = 1.0  # longest stop() waits for the lighthouse to end a half-closed stream (a clean exit)
 HEADERS_WAIT_S = 1.0  # longest a new stream waits for the lighthouse's headers before writing anyway
+LATE_S = 1.0  # a heartbeat timer this late means the stream loop itself stalled: no silence is judged at that beat
 LOOP_STOP_S = 2.0  # longest the stream loop's last tasks get to end once its last holder released it
 _METHOD = "/ftl.LighthouseService/HeartbeatStream"
 _HEARTBEAT = "/ftl.LighthouseService/Heartbeat"
@@ -333,7 +334,9 @@ class HeartbeatStreamHandle:
         goodbye = ft_pb2.LighthouseHeartbeatRequest(replica_id=self.replica_id, leaving=True).SerializeToString()
         # frames: written as queued (no writer task, no turn of the loop); gRPC: a writer task drains a queue
         outbox: Any = DirectOutbox(call, goodbye, loop) if isinstance(call, FrameStreamCall) else QueuedOutbox(loop)
-        last_answer = loop.time()
+        # Silence is counted from the oldest heartbeat sent since the last answer: a stall of this loop (a loaded
+        # machine, a long pause) sends nothing, so it leaves nothing unanswered and is no silent lighthouse.
+        unanswered_since: float | None = loop.time()
         outbox.put_nowait(request)
 
         async def write() -> None:
@@ -350,15 +353,18 @@ class HeartbeatStreamHandle:
                 return  # the call ended: the reader below records why
 
         def beat() -> None:
-            nonlocal timer
+            nonlocal timer, unanswered_since
             now = loop.time()
-            if now - last_answer > self._stale_after_s:
+            late = now - timer.when() > LATE_S  # this loop stalled: answers may wait unread behind this call
+            if unanswered_since is not None and now - unanswered_since > self._stale_after_s and not late:
                 logger.warning("lighthouse %s stopped answering %s's heartbeats; reconnecting", addr, self.replica_id)
                 call.cancel()
                 return
             due = outbox.last_write + self._interval_s
             if now >= due:
                 outbox.put_nowait(request)
+                if unanswered_since is None:
+                    unanswered_since = now
                 due = now + self._interval_s
             timer = loop.call_later(due - now, beat)
 
@@ -377,8 +383,8 @@ class HeartbeatStreamHandle:
             except asyncio.TimeoutError:
                 pass  # an older lighthouse sends them with its first answer: write anyway
             def handle(response: ft_pb2.LighthouseHeartbeatResponse) -> None:
-                nonlocal last_answer, answered
-                last_answer = loop.time()
+                nonlocal unanswered_since, answered
+                unanswered_since = None
                 if response.request_id:
                     with self._lock:
                         poll = self._polls.pop(response.request_id, None)
