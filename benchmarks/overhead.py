@@ -77,6 +77,14 @@ def _run_mode(mode: str, model: str, steps: int, warmup: int, tmp: str) -> tuple
     return _harness.median(times), {name: _harness.median(values) for name, values in phases.items()}, extra
 
 
+def _cpu_ratios(per_thread: dict[str, dict[str, list[float]]]) -> dict[str, float]:
+    """Each mode's CPU per step (all threads, median over rounds) over its baseline's."""
+    rounds = {m: [sum(v[i] for v in kinds.values()) for i in range(min(len(v) for v in kinds.values()))]
+              for m, kinds in per_thread.items() if kinds}
+    cpu = {m: _harness.median(v) for m, v in rounds.items() if v}
+    return {m: round(cpu[m] / cpu[BASELINE[m]], 3) for m in cpu if BASELINE.get(m) in cpu and cpu[BASELINE[m]]}
+
+
 def run(quick: bool = False, models: tuple[str, ...] | None = None, modes: tuple[str, ...] | None = None,
         smoke: bool = False, rounds: int | None = None) -> dict:
     """Alternate every mode `rounds` times per model; report median step times and ratios to the baselines."""
@@ -119,6 +127,12 @@ def run(quick: bool = False, models: tuple[str, ...] | None = None, modes: tuple
             entry = {"params": _models.param_count(_models.build(model)), "rounds": rounds_here, "steps": steps,
                      "step_ms": {m: round(v * 1000, 2) for m, v in med.items()},
                      "ratio_vs_baseline": {m: round(med[m] / med[BASELINE[m]], 3) for m in med if m in BASELINE},
+                     # each round's ratio (the two jobs ran minutes apart at most): how far the machine moved them
+                     "ratio_per_round": {m: [round(a / b, 3) for a, b in zip(per_mode[m], per_mode[BASELINE[m]])]
+                                         for m in modes if m in BASELINE},
+                     # CPU per step of every thread of a rank (mean of the ranks): on a 2-core box where both
+                     # ranks are CPU-bound, the steadier figure of what a mode adds
+                     "cpu_ratio_vs_baseline": _cpu_ratios(per_thread),
                      "phases_ms": {m: {name: round(_harness.median(v) * 1000, 2) for name, v in ph.items()}
                                    for m, ph in per_phase.items() if ph},
                      "thread_cpu_ms": {m: {k: round(_harness.median(v), 2) for k, v in th.items()}

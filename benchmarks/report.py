@@ -253,6 +253,13 @@ def _overhead_detail(res: dict, entry: dict) -> list[str]:
                         [_fmt(lighthouse.get(m), digits=3) for m in threads])
         lines += ["CPU ms per timed step by thread (mean of the 2 ranks, 10 ms clock ticks):", ""]
         lines += _table(["thread"] + [res["labels"].get(m, m) for m in threads], rows)
+    per_round, cpu = entry.get("ratio_per_round") or {}, entry.get("cpu_ratio_vs_baseline") or {}
+    if per_round:
+        rows = [[res["labels"].get(m, m), ", ".join(f"{r:.2f}" for r in rounds) + "x", f"{cpu[m]:.2f}x" if m in cpu else NA] for m, rounds in per_round.items()]
+        lines += ["Each round's step-time ratio (the jobs of a round run back to back), and the ratio of CPU per step "
+                  "(every thread of a rank, median over the rounds; on 2 cores with both ranks CPU-bound, what a mode "
+                  "adds shows there with less of the machine's drift):", ""]
+        lines += _table(["mode", "step-time ratio per round", "CPU per step ratio"], rows)
     copies = entry.get("bucket_copies") or {}
     if copies:
         said = ", ".join(f"{res['labels'].get(m, m)} {n}" for m, n in copies.items())
