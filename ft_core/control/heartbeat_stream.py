@@ -334,9 +334,8 @@ class HeartbeatStreamHandle:
         goodbye = ft_pb2.LighthouseHeartbeatRequest(replica_id=self.replica_id, leaving=True).SerializeToString()
         # frames: written as queued (no writer task, no turn of the loop); gRPC: a writer task drains a queue
         outbox: Any = DirectOutbox(call, goodbye, loop) if isinstance(call, FrameStreamCall) else QueuedOutbox(loop)
-        # Silence is counted from the oldest heartbeat sent since the last answer: a stall of this loop (a loaded
-        # machine, a long pause) sends nothing, so it leaves nothing unanswered and is no silent lighthouse.
-        unanswered_since: float | None = loop.time()
+        unanswered_since: float | None = loop.time()  # the oldest heartbeat sent since the last answer (a stall
+        # of this loop sends nothing, so it leaves nothing unanswered: no silence is read into it)
         outbox.put_nowait(request)
 
         async def write() -> None:
@@ -363,8 +362,7 @@ class HeartbeatStreamHandle:
             due = outbox.last_write + self._interval_s
             if now >= due:
                 outbox.put_nowait(request)
-                if unanswered_since is None:
-                    unanswered_since = now
+                unanswered_since = now if unanswered_since is None else unanswered_since
                 due = now + self._interval_s
             timer = loop.call_later(due - now, beat)
 
