@@ -255,7 +255,8 @@ def _overhead_detail(res: dict, entry: dict) -> list[str]:
         lines += _table(["thread"] + [res["labels"].get(m, m) for m in threads], rows)
     per_round, cpu = entry.get("ratio_per_round") or {}, entry.get("cpu_ratio_vs_baseline") or {}
     if per_round:
-        rows = [[res["labels"].get(m, m), ", ".join(f"{r:.2f}" for r in rounds) + "x", f"{cpu[m]:.2f}x" if m in cpu else NA] for m, rounds in per_round.items()]
+        rows = [[res["labels"].get(m, m), ", ".join(f"{r:.2f}" for r in rounds) + "x",
+                 f"{cpu[m]:.2f}x" if m in cpu else NA] for m, rounds in per_round.items()]
         lines += ["Each round's step-time ratio (the jobs of a round run back to back), and the ratio of CPU per step "
                   "(every thread of a rank, median over the rounds; on 2 cores with both ranks CPU-bound, what a mode "
                   "adds shows there with less of the machine's drift):", ""]

@@ -832,6 +832,16 @@ def test_a_reset_closes_a_channel_only_after_the_last_call_on_it_ends() -> None:
         assert len(answers) == 1 and isinstance(answers[0], Quorum), answers
         with pytest.raises(ValueError, match="closed channel"):  # closed by the poll's end
             old.unary_unary("/ft.Probe/Nothing")(b"", timeout=5)
+        caller, answers = _poll_waiting_at(lighthouse, first)  # retired with a call on it, then the client closes
+        old = first._channels[addr]
+        first._reset(addr)
+        closed = time.monotonic()
+        first.close()
+        caller.join(20)
+        assert len(answers) == 1 and isinstance(answers[0], Exception), answers
+        assert_bounded(closed, 1.0, "the poll on a retired channel after close()")  # not its 15 s deadline
+        with pytest.raises(ValueError, match="closed channel"):
+            old.unary_unary("/ft.Probe/Nothing")(b"", timeout=5)
 
 
 def test_a_quorum_call_cancelled_under_it_goes_on_within_its_deadline() -> None:

@@ -183,7 +183,7 @@ class LighthouseClient:
                 if last:
                     del self._calls[channel]
                 retired = last and self._channels.get(addr) is not channel
-            if retired and not self._closed:  # close() closed it
+            if retired:  # reset while this call was on it
                 channel.close()
 
     def _reset(self, addr: str) -> None:
@@ -352,17 +352,19 @@ class LighthouseClient:
         return handle
 
     def close(self) -> None:
-        """Stop every heartbeat stream of this client and close its channels. Idempotent."""
+        """Stop every heartbeat stream of this client and close its channels (retired ones with calls still on
+        them too: close() ends every call). Idempotent."""
         with self._lock:
             streams, self._streams = self._streams, []
         for handle in streams:
             handle.stop()
         with self._lock:
             self._closed = True
-            channels, self._channels = self._channels, {}
+            channels = {*self._channels.values(), *self._calls}
+            self._channels = {}
             self._stubs.clear()
             self._ready.clear()
-        for channel in channels.values():
+        for channel in channels:
             channel.close()
 
     def __enter__(self) -> LighthouseClient:
