@@ -185,7 +185,22 @@ class QueuedOutbox(asyncio.Queue):
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__()
+        self._loop = loop
         self.last_write = loop.time()  # when the writer last sent something (a quorum request is a heartbeat)
+
+    async def drain(self, call: Any, goodbye: bytes) -> None:
+        """The writer task: send what is queued on `call`, in order, until GOODBYE or the call ends."""
+        try:
+            while True:
+                item = await self.get()
+                if item is GOODBYE:  # then half-close: the lighthouse logs a clean exit, pushes nothing
+                    await call.write(goodbye)
+                    await call.done_writing()
+                    return
+                await call.write(item)
+                self.last_write = self._loop.time()  # a quorum request counts as a heartbeat at the lighthouse
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            return  # the call ended: its reader records why
 
 
 class DirectOutbox:

@@ -334,22 +334,9 @@ class HeartbeatStreamHandle:
         goodbye = ft_pb2.LighthouseHeartbeatRequest(replica_id=self.replica_id, leaving=True).SerializeToString()
         # frames: written as queued (no writer task, no turn of the loop); gRPC: a writer task drains a queue
         outbox: Any = DirectOutbox(call, goodbye, loop) if isinstance(call, FrameStreamCall) else QueuedOutbox(loop)
-        unanswered_since: float | None = loop.time()  # the oldest heartbeat sent since the last answer (a stall
-        # of this loop sends nothing, so it leaves nothing unanswered: no silence is read into it)
+        # the oldest heartbeat sent since the last answer: a stall of this loop sends none, so no silence is read
+        unanswered_since: float | None = loop.time()
         outbox.put_nowait(request)
-
-        async def write() -> None:
-            try:
-                while True:
-                    item = await outbox.get()
-                    if item is GOODBYE:  # then half-close: the lighthouse logs a clean exit, pushes nothing
-                        await call.write(goodbye)
-                        await call.done_writing()
-                        return
-                    await call.write(item)
-                    outbox.last_write = loop.time()  # a quorum request counts as a heartbeat at the lighthouse
-            except (grpc.RpcError, asyncio.InvalidStateError):
-                return  # the call ended: the reader below records why
 
         def beat() -> None:
             nonlocal timer, unanswered_since
@@ -399,7 +386,7 @@ class HeartbeatStreamHandle:
                     self.last_error = None
 
             if isinstance(outbox, QueuedOutbox):
-                writer = loop.create_task(write())
+                writer = loop.create_task(outbox.drain(call, goodbye))
             else:  # frames: each answer is handled as its bytes are read, no turn of the loop to this task
                 call.on_message(handle)
             while True:
