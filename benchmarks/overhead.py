@@ -90,7 +90,7 @@ def run(quick: bool = False, models: tuple[str, ...] | None = None, modes: tuple
     """Alternate every mode `rounds` times per model; report median step times and ratios to the baselines."""
     models = models or ("mlp3.7m", "mlp25m")
     # (rounds, measured steps, warm-up steps) per model; a job's start-up (imports, rendezvous) dominates --quick
-    plan = {"mlp3.7m": (2, 15, 4), "mlp25m": (1, 6, 2)} if quick else {"mlp3.7m": (3, 50, 10), "mlp25m": (3, 20, 5)}
+    plan = {"mlp3.7m": (2, 15, 4), "mlp25m": (1, 6, 2)} if quick else {"mlp3.7m": (5, 50, 10), "mlp25m": (5, 20, 5)}
     if smoke:
         plan = {"mlp3.7m": (1, 3, 1), "mlp25m": (1, 2, 1)}
     torchft = _harness.torchft_available()
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--model", action="append", help="mlp3.7m or mlp25m (repeatable)")
     parser.add_argument("--mode", action="append", choices=ALL_MODES, help="modes to run (repeatable; default all)")
-    parser.add_argument("--rounds", type=int, help="alternations per model (default: 3, --quick 2 / 1)")
+    parser.add_argument("--rounds", type=int, help="alternations per model (default: 5, --quick 2 / 1)")
     opts = parser.parse_args(argv)
     res = run(opts.quick, tuple(opts.model) if opts.model else None, tuple(opts.mode) if opts.mode else None,
               rounds=opts.rounds)

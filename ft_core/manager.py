@@ -396,7 +396,7 @@ class Manager:
             opts = dist.AllreduceOptions()
             opts.reduceOp = ReduceOp.SUM if reduce_op == ReduceOp.AVG else reduce_op
             work = self._pg.allreduce([tensor], opts)
-            done = (lambda _v: tensor.div_(max(n, 1))) if reduce_op == ReduceOp.AVG else (lambda _v: tensor)
+            done = (lambda _v: tensor.mul_(1.0 / max(n, 1))) if reduce_op == ReduceOp.AVG else (lambda _v: tensor)
             failed = self._on_collective_error if rec is None or role is not rules.Contribution.OWN else \
                 (lambda e, rec=rec: (redo.restore_input(rec, e), self._on_collective_error(e)))
             return ft_futures.settled(work.get_future(), tensor, failed, self.config.timeout, done,
