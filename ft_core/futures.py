@@ -386,6 +386,20 @@ def chain(fut: AnyFuture, fn: Callable[[Any], Any], devices: Sequence[torch.devi
     return out
 
 
+def pass_on(fut: AnyFuture, out: torch.futures.Future) -> None:
+    """Complete `out` (made beforehand, e.g. to be known before `fut` exists) with `fut`'s outcome;
+    on CUDA ordered after `fut`'s value, as chain's result is."""
+
+    def on_done(f: AnyFuture) -> None:
+        ok, value = _outcome(f)
+        if ok:
+            _finish(out, value)
+        else:
+            _fail(out, value)
+
+    _add_done(fut, on_done)
+
+
 def recover(fut: AnyFuture, default: T, on_error: Callable[[BaseException], None],
             devices: Sequence[torch.device] | None = None) -> torch.futures.Future:
     """A future that never fails: `fut`'s value, or `default` after calling on_error(exception).

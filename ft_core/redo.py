@@ -196,8 +196,14 @@ def issue(m: "Manager", tensor: torch.Tensor, op: ReduceOp) -> torch.futures.Fut
         rec.out = ft_futures.device_future(ft_futures.devices_of(tensor))
         if log.state is WaitState.PENDING:  # the redo issues it after the ones before it
             return rec.out
-        rec.first = first = m._reduce(tensor, op, rec, wait=not ready)  # issues, never blocks
-        first.add_done_callback(lambda _f, rec=rec: _first_done(m, rec))
+        # The first attempt, known to the log before the lock is released: a redo that starts meanwhile
+        # waits for it to settle before it replays this reduction.
+        rec.first = first = ft_futures.device_future(ft_futures.devices_of(tensor))
+    # Issued without the lock: the backend's completion thread takes it (_first_done of an earlier reduction),
+    # and issuing can wait for that thread (Gloo does), so issuing under the lock could deadlock the step.
+    sent = m._reduce(tensor, op, rec, wait=not ready)  # never fails, never blocks
+    ft_futures.pass_on(sent, first)
+    first.add_done_callback(lambda _f, rec=rec: _first_done(m, rec))
     return rec.out
 
 
