@@ -369,29 +369,21 @@ def chain(fut: AnyFuture, fn: Callable[[Any], Any], devices: Sequence[torch.devi
     On CUDA `fn` runs on a stream ordered after `fut`'s value, and the result is ordered after `fn`'s
     kernels for whoever waits on it. devices: of the result (default: `fut`'s, see future_devices)."""
     out = device_future(future_devices(fut) if devices is None else devices)
-
-    def on_done(f: AnyFuture) -> None:
-        ok, value = _outcome(f)
-        if not ok:
-            _fail(out, value)
-            return
-        try:
-            result = fn(value)
-        except BaseException as exc:  # noqa: BLE001 - carried into the future
-            _fail(out, exc)
-            return
-        _finish(out, result)
-
-    _add_done(fut, on_done)
+    pass_on(fut, out, fn)
     return out
 
 
-def pass_on(fut: AnyFuture, out: torch.futures.Future) -> None:
-    """Complete `out` (made beforehand, e.g. to be known before `fut` exists) with `fut`'s outcome;
-    on CUDA ordered after `fut`'s value, as chain's result is."""
+def pass_on(fut: AnyFuture, out: torch.futures.Future, fn: Callable[[Any], Any] | None = None) -> None:
+    """Complete `out` (made beforehand, e.g. to be known before `fut` exists) with `fut`'s outcome, or
+    with `fn(value)` (an error in it fails `out`); on CUDA ordered as chain's result is."""
 
     def on_done(f: AnyFuture) -> None:
         ok, value = _outcome(f)
+        if ok and fn is not None:
+            try:
+                value = fn(value)
+            except BaseException as exc:  # noqa: BLE001 - carried into the future
+                ok, value = False, exc
         if ok:
             _finish(out, value)
         else:
