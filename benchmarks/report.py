@@ -298,6 +298,11 @@ def _failure(res: dict) -> list[str]:
     rows.append(["**restart to first commit**", _fmt(ours["total_s"], " s"), _fmt(ref.get("total_s"), " s")])
     rows.append(["**survivors' longest commit gap**", _fmt(ours["survivor_gap_s"], " s"),
                  _fmt(ref.get("survivor_gap_s"), " s")])
+    for key, name in (("survivor_gap_kill_s", "- of which before the restarted process was ready (the kill)"),
+                      ("survivor_gap_rejoin_s", "- of which after it (its join and heal)"),
+                      ("survivor_step_s", "survivors' median step before the kill")):
+        if key in ours:  # runs before 2026-12-04 did not split the gap
+            rows.append([name, _fmt(ours.get(key), " s"), _fmt(ref.get(key), " s")])
     rows.append(["checkpoint received", _fmt(ours.get("nbytes", 0) / 1e6, " MB"), NA])
     lines += _table(["phase", "ours", "torchft"], rows)
     if "skipped" in ref:

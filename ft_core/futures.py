@@ -349,6 +349,15 @@ def future_wait(fut: AnyFuture, timeout: timedelta | float, what: str = "operati
     return value
 
 
+def complete(out: torch.futures.Future | None, value: Any) -> torch.futures.Future:
+    """`out` completed with `value` now (a new completed future when `out` is None)."""
+    if out is None:
+        return completed_future(value)
+    if not out.done():
+        _finish(out, value)
+    return out
+
+
 def completed_future(value: Any, devices: Sequence[torch.device] | None = None) -> torch.futures.Future:
     """A torch Future that is already done with `value`, ordered after the current stream's work so far
     (devices: default, the value's CUDA devices)."""
@@ -419,12 +428,15 @@ def recover(fut: AnyFuture, default: T, on_error: Callable[[BaseException], None
 
 
 def settled(fut: AnyFuture, default: T, on_error: Callable[[BaseException], None], timeout: timedelta | float,
-            fn: Callable[[Any], Any] | None = None, what: str = "operation") -> torch.futures.Future:
+            fn: Callable[[Any], Any] | None = None, what: str = "operation",
+            out: torch.futures.Future | None = None) -> torch.futures.Future:
     """`recover(future_timeout(chain(fut, fn), timeout), default, on_error)` as one future and one callback
     (every collective of every step goes through it): `fn(value)` (or the value) when `fut` completes
     within `timeout`, else `default` after on_error(exception). `fn` runs when `fut` completes, even
-    after the deadline passed, as chain's would. Devices: `fut`'s and `default`'s."""
-    out = device_future(_union(future_devices(fut), devices_of(default)))
+    after the deadline passed, as chain's would. Devices: `fut`'s and `default`'s. `out`: the future to
+    complete (made beforehand, e.g. to be known before `fut` exists, as pass_on's), else a new one."""
+    if out is None:
+        out = device_future(_union(future_devices(fut), devices_of(default)))
 
     def land(ok: bool, value: Any) -> None:
         devs = getattr(out, _DEVICES_ATTR, ())

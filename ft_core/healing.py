@@ -11,6 +11,7 @@ survivors' next quorum may need it: more than half of the healthy replicas, ligh
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from ft_core import step_rules as rules
 from ft_core.cancels import Attempt, QuorumCancels
 from ft_core.control.manager_client import ManagerClient
 from ft_core.control.recovery import QuorumResult
-from ft_core.errors import CheckpointError, FTError
+from ft_core.errors import CheckpointError, FTError, FTTimeoutError
 
 __all__ = ["FetchedHeal", "HealSources", "apply_heal", "load_healed_state", "nbytes"]
 
@@ -180,3 +181,19 @@ def apply_heal(heal: FetchedHeal, state_fns: dict[str, tuple[Callable[[Any], Non
     emit("heal", source_replica_rank=heal.source_replica_rank, source=heal.source, healed_step=heal.target.step,
          seconds=heal.transfer_seconds + heal.load_seconds, transfer_seconds=heal.transfer_seconds,
          load_seconds=heal.load_seconds, nbytes=heal.nbytes, bandwidth_mb_s=heal.bandwidth_mb_s)
+
+
+def beside_the_step(transport: Any) -> bool:
+    """In async mode a healer sends the identity whatever its state, so the step's collectives need not wait
+    for the checkpoint's staging (at its source) or transfer (at the healer): both run beside the step and
+    the vote waits for them, with transports that say so (CheckpointTransport.heals_during_the_step)."""
+    return bool(getattr(transport, "heals_during_the_step", False))
+
+
+def await_beside(fut: concurrent.futures.Future, bound_s: float, prefix: str) -> FetchedHeal | None:
+    """The staging or heal that ran beside the step, awaited before the vote (bounded); raises its failure."""
+    if not concurrent.futures.wait([fut], timeout=bound_s)[0]:
+        raise FTTimeoutError(f"{prefix} checkpoint staging or transfer did not finish within {bound_s:.3g}s")
+    if fut.cancelled():
+        raise FTError(f"{prefix} checkpoint staging or transfer cancelled (the manager is shutting down)")
+    return fut.result()

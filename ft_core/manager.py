@@ -17,7 +17,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
-import os
 import threading
 import time
 from datetime import timedelta
@@ -33,23 +32,20 @@ from ft_core import net
 from ft_core import redo
 from ft_core import step_rules as rules
 from ft_core.checkpointing import HTTPTransport
-from ft_core.control.manager_client import ManagerClient
-from ft_core.control.manager_server import ManagerServer
 from ft_core.buffers import broadcast_by_sum
-from ft_core.healing import FetchedHeal, HealSources, apply_heal
+from ft_core.healing import FetchedHeal, HealSources, apply_heal, await_beside, beside_the_step
 from ft_core.errors import CommitError, ConfigError, FTError, FTTimeoutError
 from ft_core.managed_work import ManagedWork
-from ft_core.manager_config import ManagerConfig, WorldSizeMode, env_int, resolve_config
+from ft_core.manager_wiring import wire_group
+from ft_core.manager_config import ManagerConfig, WorldSizeMode, resolve_config
 from ft_core.control.recovery import QuorumResult
 from ft_core.step_rules import participation
-from ft_core.stores import own_store
 
 __all__ = ["Manager", "ManagerConfig", "WorldSizeMode", "participation", "resolve_config"]
 
 logger = logging.getLogger(__name__)
 events = logging.getLogger("ft_core.events")
 
-STORE_PREFIX = "ft_manager"
 _MARGIN_S = 5.0  # on top of a server-side deadline, for the hop back
 _SHUTDOWN_JOIN_S = 5.0  # longest shutdown() waits for one thread it started
 
@@ -88,6 +84,8 @@ class Manager:
         self._pg_broken = False
         self._healing = False
         self._heal: FetchedHeal | None = None  # this step's fetched state: loaded at commit, adopted if committed
+        self._beside: concurrent.futures.Future | None = None  # this step's staging or heal, run beside it
+        self._beside_token = object()
         self._voted = False  # this step's should_commit() has run: no reduction may follow
         self._group_healed = False  # every rank of the group loaded this step's heal (from the vote)
         self._reductions = 0  # cross-group reductions issued this step (fail-closed check)
@@ -119,44 +117,10 @@ class Manager:
     # ----------------------------------------------------------------- setup
 
     def _setup_store_and_server(self, cfg: ManagerConfig, store_addr: str | None, store_port: int | None) -> None:
-        """Own TCPStore for a one-rank group; else the group's store. Rank 0 hosts the manager server and
-        advertises a store of its own on cfg.hostname for the cross-group rendezvous: the group's store
-        (MASTER_ADDR) may be reachable from inside the group only (localhost, a name other hosts lack)."""
-        if cfg.group_world_size == 1 and store_addr is None:
-            self._store = own_store(cfg.hostname, cfg.connect_timeout, cfg.bind_host)
-            host, port = cfg.hostname, self._store.port
-        else:
-            host = store_addr or os.environ.get("MASTER_ADDR")
-            port = store_port if store_port is not None else env_int("MASTER_PORT")
-            if not host or not port:
-                raise ConfigError("a replica group with several ranks needs its TCPStore: pass store_addr= and "
-                                  "store_port= or run under torchrun (MASTER_ADDR/MASTER_PORT)")
-            self._store = dist.TCPStore(host, int(port), is_master=False, timeout=cfg.connect_timeout)
-            if cfg.group_rank == 0:
-                self._rendezvous_store = own_store(cfg.hostname, cfg.connect_timeout, cfg.bind_host)
-                host, port = cfg.hostname, self._rendezvous_store.port
-        self._store_address = net.format_host_port(host, int(port))
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"{STORE_PREFIX}/{restart}", self._store)
-        if cfg.group_rank == 0:
-            self._replica_id = cfg.replica_id
-            self._server = ManagerServer(self._replica_id, cfg.lighthouse_addr, hostname=cfg.hostname,
-                                         bind=net.format_host_port(cfg.bind_host, cfg.port), store_addr=self._store_address,
-                                         world_size=cfg.group_world_size, heartbeat_interval=cfg.heartbeat_interval,
-                                         connect_timeout=cfg.connect_timeout, quorum_retries=cfg.quorum_retries,
-                                         token=cfg.token)
-            store.multi_set(["replica_id", "manager_addr", "manager_frames_addr"],
-                            [self._replica_id, self._server.address(), self._server.frames_address()])
-        else:
-            try:
-                store.wait(["manager_addr", "replica_id"], cfg.connect_timeout)
-            except Exception as exc:  # torch raises a DistStoreError on timeout
-                raise FTTimeoutError(f"group rank {cfg.group_rank}: group rank 0 did not publish its manager "
-                                     f"server address in the TCPStore {self._store_address} within "
-                                     f"{cfg.connect_timeout.total_seconds():.3g}s ({exc}); is rank 0 running?") from None
-            self._replica_id, addr, frames_addr = (v.decode() for v in store.multi_get(
-                ["replica_id", "manager_addr", "manager_frames_addr"]))
-            self._client = ManagerClient(addr, cfg.connect_timeout, token=cfg.token, frames_addr=frames_addr)
+        """The group's stores and this rank's manager server (rank 0) or client (ft_core.manager_wiring)."""
+        wired = wire_group(cfg, store_addr, store_port)
+        self._store, self._rendezvous_store, self._store_address = wired.store, wired.rendezvous_store, wired.store_address
+        self._replica_id, self._server, self._client = wired.replica_id, wired.server, wired.client
         # the lighthouse's PeerLost notices fail this quorum's step at once; rank 0's server forwards them to the others
         (self._server or self._client).add_failure_listener(functools.partial(redo.on_peer_lost, self))  # ft_core.redo
 
@@ -251,6 +215,7 @@ class Manager:
         self._clear_errors()
         self._healing = False
         self._heal = None  # a heal not applied by the last step is fetched again
+        self._beside, self._beside_token = None, object()  # a step without a vote: its job's outcome is not ours
         self._voted = False
         self._reductions = 0
         self._redo.reset(allow_heal)
@@ -263,7 +228,8 @@ class Manager:
             self._apply_pending_state_dict()
 
     def wait_quorum(self) -> None:
-        """Block until this step's quorum (and healing transfer) is done; raises if the quorum failed."""
+        """Block until this step's quorum is done; raises if the quorum failed. A healing transfer and the
+        staging of a checkpoint for healers are in it too, unless they run beside the step (_beside)."""
         fut = self._quorum_future
         if fut is None:
             raise FTError(f"{self._prefix()} wait_quorum before start_quorum: call start_quorum() first "
@@ -311,15 +277,39 @@ class Manager:
             except Exception as exc:
                 self.report_error(exc)
                 return
+        self._healing = plan.heal
+        if (plan.send_to or plan.heal) and cfg.use_async_quorum and beside_the_step(self._transport):
+            try:  # next on this thread; the step's collectives do not wait for it, its vote does (_await_beside)
+                self._beside = self._executor.submit(self._beside_job, plan, result, self._beside_token)
+            except RuntimeError as exc:  # shut down
+                self.report_error(FTError(f"{self._prefix()} checkpoint transfer not started: {exc}"))
+            return
+        try:
+            self._heal = self._send_or_fetch(plan, result)
+        except Exception as exc:
+            self.report_error(exc)
+
+    def _send_or_fetch(self, plan: rules.QuorumActions, result: QuorumResult) -> FetchedHeal | None:
+        """Stage this step's state for the groups that heal from this one, or fetch the state to heal from."""
+        cfg = self.config
         if plan.send_to:
+            self._transport.send_checkpoint(list(plan.send_to), result.max_step, self.healing_state(), cfg.timeout)
+        return self._heal_sources.fetch(result, cfg.group_rank, self._transport, cfg.timeout) if plan.heal else None
+
+    def _beside_job(self, plan: rules.QuorumActions, result: QuorumResult, token: object) -> FetchedHeal | None:
+        try:
+            return self._send_or_fetch(plan, result)
+        except Exception as exc:
+            if token is self._beside_token:  # still this step's (the next step's start_quorum renews the token)
+                self.report_error(exc)  # now, as when it ran in the quorum: a source's failure fails every group's step
+            raise
+
+    def _await_beside(self) -> None:
+        """Before the vote: the staging or heal that ran beside the step; its failure fails the step."""
+        fut = self._beside  # kept until the next step: a PeerLost notice releases a heal the vote waits for
+        if fut is not None:
             try:
-                self._transport.send_checkpoint(list(plan.send_to), result.max_step, self.healing_state(), cfg.timeout)
-            except Exception as exc:
-                self.report_error(exc)
-        if plan.heal:
-            self._healing = True
-            try:
-                self._heal = self._heal_sources.fetch(result, cfg.group_rank, self._transport, cfg.timeout)
+                self._heal = await_beside(fut, 3 * self.config.timeout.total_seconds() + _MARGIN_S, self._prefix())
             except Exception as exc:
                 self.report_error(exc)
 
@@ -376,19 +366,20 @@ class Manager:
         self._redo.on_redo(tensor, write, restore)
 
     def _reduce(self, tensor: torch.Tensor, reduce_op: ReduceOp, rec: redo.Reduction | None = None,
-                wait: bool = True) -> torch.futures.Future:
+                wait: bool = True, out: torch.futures.Future | None = None) -> torch.futures.Future:
         """The collective as an eager torch Future that never fails (value: `tensor`); `rec` learns whether the
-        input was sent, which decides whether it can be redone. wait=False: the quorum is done (ft_core.redo)."""
+        input was sent, which decides whether it can be redone. wait=False: the quorum is done (ft_core.redo).
+        `out`: the future to complete (made beforehand, as ft_core.redo's first attempt), else a new one."""
         try:
             if wait:
                 self.wait_quorum()
             if self._pg_broken:
-                return ft_futures.completed_future(tensor)
+                return ft_futures.complete(out, tensor)
             n = self._round.num_participants if self._round is not None else 0
             role = rules.contribution(self.is_participating(), self._errored is not None)
             if role is rules.Contribution.BREAK:
                 self._break_pg()  # the divisor counts this group: its peers must fail this step too
-                return ft_futures.completed_future(tensor)
+                return ft_futures.complete(out, tensor)
             if rec is not None:
                 rec.intact = False
             if role is rules.Contribution.IDENTITY:
@@ -400,10 +391,10 @@ class Manager:
             failed = self._on_collective_error if rec is None or role is not rules.Contribution.OWN else \
                 (lambda e, rec=rec: (redo.restore_input(rec, e), self._on_collective_error(e)))
             return ft_futures.settled(work.get_future(), tensor, failed, self.config.timeout, done,
-                                      what=f"{self._prefix()} allreduce")
+                                      what=f"{self._prefix()} allreduce", out=out)
         except Exception as exc:
             self._on_collective_error(exc)
-            return ft_futures.completed_future(tensor)
+            return ft_futures.complete(out, tensor)
 
     def register_buffers(self, key: object, buffers: Callable[[], list[torch.Tensor]]) -> None:
         """Keep `buffers()` (e.g. BatchNorm running stats) identical on every group after each committed
@@ -457,6 +448,7 @@ class Manager:
         pg_error = redo.pg_error(self._pg)
         if pg_error is not None:
             self._on_collective_error(pg_error)
+        self._await_beside()
         self._apply_pending_state_dict()
         plan = self._round
         if self._buffer_sources and not self._pg_broken:
@@ -565,6 +557,8 @@ class Manager:
             return
         self._closed = True
         started = time.perf_counter()
+        if wait and hasattr(self._transport, "drain"):
+            self._transport.drain()  # healers fetching beside their step from us (the job's last step)
         # Servers and clients first: a quorum call in flight then fails at once instead of at its deadline.
         try:
             if self._server is not None:
@@ -574,10 +568,10 @@ class Manager:
             self._transport.shutdown(wait=wait)
         finally:
             self._executor.shutdown(wait=False, cancel_futures=True)
-            running = self._quorum_future
-            if wait and running is not None:
-                done, _ = concurrent.futures.wait([running], timeout=_SHUTDOWN_JOIN_S)
-                if done:
+            running = [f for f in (self._quorum_future, self._beside) if f is not None]
+            if wait and running:
+                _, pending = concurrent.futures.wait(running, timeout=_SHUTDOWN_JOIN_S)
+                if not pending:
                     self._executor.shutdown(wait=True)
                 else:
                     logger.warning("%s quorum thread still busy after %.1fs at shutdown; not waiting longer",

@@ -201,8 +201,7 @@ def issue(m: "Manager", tensor: torch.Tensor, op: ReduceOp) -> torch.futures.Fut
         rec.first = first = ft_futures.device_future(ft_futures.devices_of(tensor))
     # Issued without the lock: the backend's completion thread takes it (_first_done of an earlier reduction),
     # and issuing can wait for that thread (Gloo does), so issuing under the lock could deadlock the step.
-    sent = m._reduce(tensor, op, rec, wait=not ready)  # never fails, never blocks
-    ft_futures.pass_on(sent, first)
+    m._reduce(tensor, op, rec, wait=not ready, out=first)  # never fails, never blocks; completes `first`
     first.add_done_callback(lambda _f, rec=rec: _first_done(m, rec))
     return rec.out
 
@@ -398,6 +397,16 @@ def on_peer_lost(m: "Manager", quorum_id: int, replica_id: str) -> None:
             on_peer_lost(m, quorum_id, replica_id)
 
         fut.add_done_callback(settled)
+        return
+    beside = m._beside  # a heal beside the step (Manager._send_or_fetch): released as one in the quorum is
+    if m._healing and beside is not None and not beside.done():
+        m._heal_sources.lost(quorum_id, replica_id)
+
+        def heal_ended(_f: Any) -> None:
+            m._heal_sources.forget(quorum_id, replica_id)
+            on_peer_lost(m, quorum_id, replica_id)
+
+        beside.add_done_callback(heal_ended)
         return
     if m._state.quorum_id != quorum_id or m._voted:  # voted: nothing of this step is left in flight
         return

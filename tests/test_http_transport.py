@@ -162,14 +162,36 @@ def test_wrong_step_is_a_clear_checkpoint_error(source: HTTPTransport) -> None:
         healer.recv_checkpoint(0, source.metadata(), 5, LONG)
 
 
-def test_disallowed_checkpoint_is_no_longer_served_and_the_healer_is_told_at_once(source: HTTPTransport) -> None:
-    """Issue 13: a step the source stopped serving is a 410 (give up now), not a 503 retried to the deadline."""
+def test_a_step_no_longer_served_is_a_410_at_once_not_a_503_retried_to_the_deadline(source: HTTPTransport) -> None:
+    """Issue 13: a step the source stopped serving (here: a later step was staged since) is a 410 (give up
+    now), not a 503 retried to the deadline."""
     source.send_checkpoint([1], 4, {"w": torch.ones(3)}, LONG)
+    source.disallow_checkpoint()
+    source.send_checkpoint([1], 5, {"w": torch.ones(3)}, LONG)
     source.disallow_checkpoint()
     with HTTPTransport(timeout=LONG) as healer, pytest.raises(CheckpointError, match="stopped serving step 4"):
         started = time.monotonic()
         healer.recv_checkpoint(0, source.metadata(), 4, LONG)
     assert time.monotonic() - started < LONG.total_seconds() / 2
+
+
+def test_a_disallowed_step_is_served_for_the_healers_deadline_then_410() -> None:
+    """A healer fetches beside its step's collectives (heals_during_the_step), so its source's step may end
+    before the fetch starts: the disallowed step is still served for the transport's timeout (the healers'
+    deadline), from the snapshot, whatever the source does to its state meanwhile; after that, 410."""
+    window = timedelta(seconds=2)
+    state = {"w": torch.ones(1 << 12)}
+    with HTTPTransport(timeout=window) as source, HTTPTransport(timeout=LONG) as healer:
+        assert source.heals_during_the_step
+        source.send_checkpoint([1], 7, state, window)
+        source.disallow_checkpoint()
+        state["w"].add_(1.0)  # the source's optimizer step, after its vote
+        assert torch.equal(healer.recv_checkpoint(0, source.metadata(), 7, LONG)["w"], torch.ones(1 << 12))
+        time.sleep(window.total_seconds() + 0.2)
+        with pytest.raises(CheckpointError, match="stopped serving step 7"):
+            healer.recv_checkpoint(0, source.metadata(), 7, LONG)
+        source.disallow_checkpoint()  # the next step's: frees the snapshot whose window ended
+        assert source._kept is None
 
 
 def test_a_step_not_staged_yet_is_retried_until_the_deadline(source: HTTPTransport) -> None:
@@ -335,3 +357,73 @@ def test_cuda_tensors_are_staged_to_pinned_host_memory() -> None:
         state["w"].add_(1)  # ordered after the staging copies by disallow_checkpoint
         torch.cuda.synchronize()
     assert_same(expected, out)
+
+
+def _gated_snapshot(monkeypatch: pytest.MonkeyPatch, gate: threading.Event, fail: bool = False) -> None:
+    """send_checkpoint publishes the step, then its snapshot copy waits for `gate` (a slow copy)."""
+    from ft_core.checkpointing import http_transport
+
+    real = http_transport._snapshot
+
+    def slow(staged: Any, host: list[int]) -> None:
+        assert gate.wait(20)
+        if fail:
+            raise MemoryError("no host memory for the snapshot")
+        real(staged, host)
+
+    monkeypatch.setattr(http_transport, "_snapshot", slow)
+
+
+def test_a_chunk_is_served_only_once_the_snapshot_holds_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step is published before its snapshot is copied (the healers' reads overlap the copy), but no
+    chunk comes from the live tensors: a healer asking early waits for the copy, and gets its bytes."""
+    gate = threading.Event()
+    _gated_snapshot(monkeypatch, gate)
+    state = {"w": torch.zeros(1 << 14)}
+    got: dict[str, Any] = {}
+    with HTTPTransport(timeout=LONG, chunk_bytes=1 << 12) as source, HTTPTransport(timeout=LONG) as healer:
+        sender = threading.Thread(target=source.send_checkpoint, args=([1], 3, state, LONG), name="test-send")
+        sender.start()
+        fetcher = threading.Thread(target=lambda: got.update(a=healer.recv_checkpoint(0, source.metadata(), 3, LONG)),
+                                   name="test-heal")
+        fetcher.start()
+        time.sleep(0.3)
+        assert fetcher.is_alive() and "a" not in got  # published, not copied: the chunks wait
+        state["w"].fill_(7.0)  # the live state changes before the copy: the snapshot takes it, whole
+        gate.set()
+        sender.join(20)
+        fetcher.join(20)
+        state["w"].fill_(9.0)  # after the copy: no healer sees it
+        second = healer.recv_checkpoint(0, source.metadata(), 3, LONG)
+    assert torch.equal(got["a"]["w"], torch.full((1 << 14,), 7.0)) and torch.equal(second["w"], got["a"]["w"])
+
+
+def test_a_snapshot_that_fails_fails_its_waiting_healer_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = threading.Event()
+    _gated_snapshot(monkeypatch, gate, fail=True)
+    outcome: dict[str, Any] = {}
+
+    def send(source: HTTPTransport) -> None:
+        try:
+            source.send_checkpoint([1], 3, {"w": torch.zeros(1 << 14)}, LONG)
+        except CheckpointError as exc:
+            outcome["send"] = exc
+
+    def heal(healer: HTTPTransport, source: HTTPTransport) -> None:
+        try:
+            healer.recv_checkpoint(0, source.metadata(), 3, LONG)
+        except CheckpointError as exc:
+            outcome["heal"] = exc
+
+    with HTTPTransport(timeout=LONG, chunk_bytes=1 << 12) as source, HTTPTransport(timeout=LONG) as healer:
+        threads = [threading.Thread(target=send, args=(source,), name="test-send"),
+                   threading.Thread(target=heal, args=(healer, source), name="test-heal")]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.3)
+        started = time.monotonic()
+        gate.set()
+        for thread in threads:
+            thread.join(20)
+    assert_bounded(started, 0, "the healer's failure after the snapshot's")
+    assert "could not snapshot step 3" in str(outcome["heal"]) and "MemoryError" in str(outcome["send"])

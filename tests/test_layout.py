@@ -80,7 +80,7 @@ OPTIONAL_IMPORTS_AT = {
 GENERATED = ("ft_pb2.py", "ft_pb2_grpc.py", "ft_pb2.pyi")
 
 # Rooms of ft_core and the rooms each may import (docs/architecture.md draws them).
-STEP_PROTOCOL = {"ft_core.manager", "ft_core.manager_config", "ft_core.step_rules", "ft_core.managed_work",
+STEP_PROTOCOL = {"ft_core.manager", "ft_core.manager_config", "ft_core.manager_wiring", "ft_core.step_rules", "ft_core.managed_work",
                  "ft_core.futures", "ft_core.ddp", "ft_core.optim", "ft_core.data", "ft_core.metrics",
                  "ft_core.local_sgd", "ft_core.diloco", "ft_core.healing", "ft_core.buffers", "ft_core.stores",
                  "ft_core.redo"}

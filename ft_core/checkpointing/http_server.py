@@ -143,8 +143,13 @@ class CheckpointHandler(BaseHTTPRequestHandler):
             return
         for event, _ in staged.ready:
             event.synchronize()  # device-to-host copies of this step are done
+        why = staged.wait_copied(staged.encoded.chunk_last_blob(index), self.server.transport.timeout_s)
+        if why is not None:  # the source's snapshot of its host tensors failed or is late
+            self._reply(500, f"{why}; retry at the next quorum")
+            return
         views = staged.encoded.chunk_views(index)
         self._send_bytes(views, staged, index)
+        staged.chunk_sent()
 
     def _send_bytes(self, views: list[memoryview], staged: Staged | None, index: int | None) -> None:
         """Body = the views, then (for a chunk) its digest, computed while streaming the first time."""

@@ -4,9 +4,12 @@ Server side (the source): `send_checkpoint` stages a snapshot of the state for o
 are copied once when staged (buffers such as BatchNorm statistics change in the forward pass while
 healers read), GPU tensors are copied to pinned host memory on a side CUDA stream (off the critical
 path). Every healer of one step therefore receives identical bytes, and `disallow_checkpoint()`
-returns at once: readers still streaming finish from the snapshot, which is freed after the last.
-A healer asking for a step this source has stopped serving gets 410 Gone and gives up at once;
-503 means "not staged yet", which it retries until its deadline.
+returns at once. The disallowed step is still served for the transport's timeout (the healers'
+deadline), so a healer that fetches beside its step's collectives (`heals_during_the_step`) gets it
+after its source's step ended; readers still streaming finish from the snapshot, which is freed once
+the next step is staged or that window ended, after the last reader. A healer asking for a step this
+source no longer serves gets 410 Gone and gives up at once; 503 means "not staged yet", which it
+retries until its deadline.
 
 Client side (the healer): fetches the header, then all chunks over several keep-alive connections,
 reading straight into the final tensor storage (`readinto`) and checking each chunk's digest
@@ -23,6 +26,7 @@ from __future__ import annotations
 import hmac
 import logging
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -42,18 +46,31 @@ __all__ = ["HTTPTransport", "fetch"]
 logger = logging.getLogger(__name__)
 
 
-def _snapshot(encoded: ser.Encoded) -> None:
-    """Copy the host bytes of an encoded state once (its owner trains on while healers read; buffers
-    such as BatchNorm statistics change in the forward pass); device blobs are staged by copy anyway."""
-    for blob in encoded.blobs:
-        if blob.tensor is not None and blob.tensor.device.type == "cpu":
+def _host_blobs(encoded: ser.Encoded) -> list[int]:
+    return [i for i, blob in enumerate(encoded.blobs)
+            if blob.buffer is not None or (blob.tensor is not None and blob.tensor.device.type == "cpu")]
+
+
+def _snapshot(staged: Staged, host: list[int]) -> None:
+    """Copy the host bytes of a published step once, blob by blob in payload order (its owner trains on
+    while healers read; buffers such as BatchNorm statistics change in the forward pass): a chunk is served
+    once the blobs it covers are copied, so the healers' reads overlap the copy. Device blobs are staged
+    by copy anyway."""
+    blobs = staged.encoded.blobs
+    for i in host:
+        blob = blobs[i]
+        if blob.tensor is not None:
             blob.tensor = blob.tensor.clone()
-        elif blob.buffer is not None:
+        else:
             blob.buffer = memoryview(bytearray(blob.buffer))
+        staged.set_copied(i + 1)
+    staged.set_copied(len(blobs))
 
 
 class HTTPTransport(CheckpointTransport[Any]):
     """Serves one staged step over HTTP and fetches peers' steps in parallel chunks (see module doc)."""
+
+    heals_during_the_step = True  # no process group; a disallowed step stays served for timeout_s
 
     def __init__(self, timeout: timedelta | float = timedelta(seconds=60), num_chunks: int = 0,
                  bind: str = "127.0.0.1:0", token: str | None = None, hostname: str = "127.0.0.1",
@@ -71,7 +88,9 @@ class HTTPTransport(CheckpointTransport[Any]):
         self._lock = threading.Condition()
         self._staged: Staged | None = None
         self._last_served_step = -1  # highest step staged so far: asking for it later gets 410 Gone
-        self._retired: list[Staged] = []  # disallowed steps whose readers are still streaming
+        self._retired: list[Staged] = []  # steps no longer served whose readers are still streaming
+        self._kept: Staged | None = None  # the step disallowed last, still served until _kept_until (monotonic)
+        self._kept_until = 0.0
         self._stager = HostStager()
         self._closed = False
         try:
@@ -102,14 +121,26 @@ class HTTPTransport(CheckpointTransport[Any]):
             raise CheckpointError("send_checkpoint on a shut down HTTPTransport")
         self.disallow_checkpoint()
         encoded = ser.encode(state_dict, step=step, chunk_bytes=1, checksum=self._checksum)
-        _snapshot(encoded)
         encoded.chunk_bytes = self._pick_chunk_bytes(encoded.payload_nbytes)
         encoded.header["chunk_bytes"] = encoded.chunk_bytes
-        staged = Staged(step, encoded, encoded.header_frame())
+        host = _host_blobs(encoded)  # before the device blobs are staged into host memory
+        staged = Staged(step, encoded, encoded.header_frame(), copied=0,
+                        expected=encoded.num_chunks * len(dst_ranks))
         self._stager.stage(staged)
         with self._lock:
             self._staged = staged
             self._last_served_step = max(self._last_served_step, step)
+            dropped = self._drop_kept_locked(time.monotonic(), replaced=True)
+        for old in dropped:
+            self._stager.recycle(old)
+        try:
+            _snapshot(staged, host)
+        except BaseException as exc:  # e.g. out of host memory: its healers fail now, and heal again
+            staged.set_copied(0, failed=f"the source could not snapshot step {step}: {type(exc).__name__}: {exc}")
+            with self._lock:
+                if self._staged is staged:
+                    self._staged = None
+            raise CheckpointError(f"staging step {step} for healers failed: {type(exc).__name__}: {exc}") from exc
         logger.info("checkpoint staged", extra={"step": step, "dst_ranks": list(dst_ranks),
                                                 "bytes": encoded.payload_nbytes, "chunks": encoded.num_chunks})
 
@@ -125,6 +156,9 @@ class HTTPTransport(CheckpointTransport[Any]):
         """Register a reader of `step`, or say why not (HTTP status, message)."""
         with self._lock:
             staged = self._staged
+            if staged is None and self._kept is not None and self._kept.step == step \
+                    and time.monotonic() < self._kept_until:
+                staged = self._kept  # disallowed, still within the healers' deadline
             if staged is None and step <= self._last_served_step:
                 return None, (410, (f"this source has stopped serving step {step} (its step ended); "
                                     "retry at the next quorum"))
@@ -148,19 +182,44 @@ class HTTPTransport(CheckpointTransport[Any]):
             self._stager.recycle(staged)
 
     def disallow_checkpoint(self) -> None:
-        """Stop serving new requests and return at once: the served bytes are a snapshot, so the caller
-        may mutate its state now; readers still streaming finish from it (bounded by their timeouts)."""
+        """The step ended: return at once (the served bytes are a snapshot, so the caller may mutate its
+        state now). The step is still served for timeout_s, to healers fetching beside their step (the
+        Manager calls this every step, which also frees a kept step whose window ended)."""
+        now = time.monotonic()
         with self._lock:
             staged, self._staged = self._staged, None
-            if staged is None:
-                return
-            streaming = staged.readers > 0
-            if streaming:
-                self._retired.append(staged)  # the last reader's release() recycles it
-        for event, stream in staged.ready:
+            dropped = self._drop_kept_locked(now, replaced=staged is not None)
+            if staged is not None:
+                self._kept, self._kept_until = staged, now + self.timeout_s
+        for event, stream in staged.ready if staged is not None else ():
             stream.wait_event(event)  # later writes on the training stream wait for the copies
-        if not streaming:
-            self._stager.recycle(staged)
+        for old in dropped:
+            self._stager.recycle(old)
+
+    def drain(self) -> bool:
+        """Before a shutdown: the step served last, until its healers have every chunk or their deadline
+        passed (a source that ends right after a step that healed a group, the job's last, still serves it:
+        its healers fetch beside their step). True when nothing is left to serve."""
+        with self._lock:
+            held, until = (self._staged, time.monotonic() + self.timeout_s) if self._staged is not None \
+                else (self._kept, self._kept_until)
+        if held is None or held.wait_sent(time.monotonic()):
+            return True
+        logger.info("serving step %d to its healers before shutting down (up to %.1fs)", held.step,
+                    max(0.0, until - time.monotonic()))
+        return held.wait_sent(until)
+
+    def _drop_kept_locked(self, now: float, replaced: bool) -> list[Staged]:
+        """Stop serving the kept step once another one replaces it or its window ended; it is returned when
+        it can be recycled now (else the last reader's release() recycles it)."""
+        kept = self._kept
+        if kept is None or (not replaced and now < self._kept_until):
+            return []
+        self._kept = None
+        if kept.readers > 0:
+            self._retired.append(kept)
+            return []
+        return [kept]
 
     def shutdown(self, wait: bool = True) -> None:
         if self._closed:
@@ -168,13 +227,14 @@ class HTTPTransport(CheckpointTransport[Any]):
         self._closed = True
         with self._lock:
             staged, self._staged = self._staged, None
+            kept, self._kept = self._kept, None
         self._server.shutdown()
         self._server.server_close()
         self._server.abort_connections()
         if wait:
             self._thread.join(self.timeout_s)
             self._server.join_connections(5.0)
-        for event, _ in staged.ready if staged is not None else ():
+        for event, _ in [e for held in (staged, kept) if held is not None for e in held.ready]:
             event.synchronize()
         self._stager.clear()
 

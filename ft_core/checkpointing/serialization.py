@@ -163,6 +163,11 @@ class Encoded:
             self._header_frame = encode_header_frame(self.header)
         return self._header_frame
 
+    def chunk_last_blob(self, index: int) -> int:
+        """The last blob chunk `index` covers (-1 for an empty chunk)."""
+        segments = chunk_segments([blob.nbytes for blob in self.blobs], self.chunk_bytes, index)
+        return segments[-1][0] if segments else -1
+
     def chunk_views(self, index: int) -> list[memoryview]:
         """Host byte views making up chunk `index` (blobs must be on the host)."""
         sizes = [blob.nbytes for blob in self.blobs]

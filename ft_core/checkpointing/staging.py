@@ -8,6 +8,8 @@ served (the heal is over), not kept for the next one.
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +31,44 @@ class Staged:
     pinned: list[torch.Tensor] = field(default_factory=list)  # our staging buffers, freed when no longer served
     digests: dict[int, int] = field(default_factory=dict)  # per chunk, computed by the first serve
     readers: int = 0
+    # The host blobs are snapshotted after the step is published, in payload order, so the healers' reads
+    # overlap the copy: blobs[:copied] are final (device blobs: once `ready`'s events are done).
+    copied: int = 1 << 62
+    failed: str | None = None  # why the snapshot did not complete
+    expected: int = 0  # chunk sends its healers need (chunks x healers): shutdown serves them first (drain)
+    sent: int = 0  # chunks sent in full
+    _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
+
+    def set_copied(self, count: int, failed: str | None = None) -> None:
+        with self._cond:
+            self.copied, self.failed = count, failed
+            self._cond.notify_all()
+
+    def chunk_sent(self) -> None:
+        with self._cond:
+            self.sent += 1
+            self._cond.notify_all()
+
+    def wait_sent(self, until: float) -> bool:
+        """Wait until every expected chunk was sent, or the monotonic time `until`; True if they were."""
+        with self._cond:
+            while self.sent < self.expected and self.failed is None:
+                left = until - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return self.sent >= self.expected
+
+    def wait_copied(self, blob: int, timeout_s: float) -> str | None:
+        """Wait until blobs[:blob + 1] are final; None, or why they are not (the snapshot failed or is late)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self.copied <= blob and self.failed is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return f"the snapshot of step {self.step} is not ready after {timeout_s:.3g}s"
+                self._cond.wait(left)
+            return self.failed
 
 
 class HostStager:

@@ -18,6 +18,11 @@ class CheckpointTransport(ABC, Generic[T]):
     `metadata()` string, which it learned through the quorum.
     """
 
+    #: True when `recv_checkpoint` uses no process group and a source keeps serving a staged step after
+    #: `disallow_checkpoint` (for the receivers' timeout): in async mode the staging and the transfer then
+    #: run beside the step's collectives (a healer sends the identity anyway), and only the votes wait for them.
+    heals_during_the_step: bool = False
+
     @abstractmethod
     def metadata(self) -> str:
         """The address a peer passes to `recv_checkpoint` to reach this transport."""
@@ -32,6 +37,11 @@ class CheckpointTransport(ABC, Generic[T]):
     @abstractmethod
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
         """Fetch the state at `step` from the source at `metadata` (rank `src_rank`), within `timeout`."""
+
+    def drain(self) -> bool:
+        """Before a shutdown with wait: finish serving what healers still fetch (bounded by their deadline);
+        True when nothing is left. Transports without heals beside the step have nothing to finish."""
+        return True
 
     def shutdown(self, wait: bool = True) -> None:
         """Release servers, threads and buffers."""
