@@ -557,8 +557,11 @@ class Manager:
             return
         self._closed = True
         started = time.perf_counter()
-        if wait and hasattr(self._transport, "drain"):
-            self._transport.drain()  # healers fetching beside their step from us (the job's last step)
+        if wait and hasattr(self._transport, "drain"):  # healers fetching beside their step from us (the last one)
+            try:
+                self._transport.drain()
+            except Exception as exc:  # never keeps the servers up
+                logger.warning("%s checkpoint transport drain failed: %s", self._prefix(), exc)
         # Servers and clients first: a quorum call in flight then fails at once instead of at its deadline.
         try:
             if self._server is not None:

@@ -3,7 +3,8 @@
 Device tensors are copied to pinned host buffers on a side CUDA stream per device, off the training
 stream's critical path; serving waits on the copies' events, and later writes on the training stream
 wait for them too (at disallow). The pinned buffers are ours and are freed once the step is no longer
-served (the heal is over), not kept for the next one.
+served (a newer step is staged, or the healers' deadline after the source's vote passed), not kept for
+the next one.
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ class Staged:
 class HostStager:
     """Copies a staged step's device blobs to host memory: CUDA on a side stream per device, others in place.
 
-    The pinned buffers live only as long as their step is served: `recycle` (the step disallowed and no
-    reader left) frees them and hands the memory back to the system, so a source does not keep a copy
+    The pinned buffers live only as long as their step is served: `recycle` (the step no longer served and
+    no reader left) frees them and hands the memory back to the system, so a source does not keep a copy
     of the model's size pinned between heals (heals are rare; pinning again costs less than holding it).
     """
 
