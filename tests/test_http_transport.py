@@ -427,3 +427,25 @@ def test_a_snapshot_that_fails_fails_its_waiting_healer_at_once(monkeypatch: pyt
             thread.join(20)
     assert_bounded(started, 0, "the healer's failure after the snapshot's")
     assert "could not snapshot step 3" in str(outcome["heal"]) and "MemoryError" in str(outcome["send"])
+
+
+def test_a_healer_asking_for_the_next_step_just_before_its_source_stages_it_gets_it() -> None:
+    """Heals beside the step: a source serves its last step (7) to that step's healers after its vote, and a
+    healer of the next quorum can ask for step 8 a moment before the source stages it. The source answers
+    400 (it serves 7), which the healer asks again for a short grace, so it gets step 8; a source that keeps
+    serving another step still fails the healer soon (the wrong-step case of test_manager)."""
+    with HTTPTransport(timeout=LONG) as source, HTTPTransport(timeout=LONG) as healer:
+        source.send_checkpoint([1], 7, {"w": torch.zeros(8)}, LONG)
+        source.disallow_checkpoint()
+        got: dict[str, Any] = {}
+        fetcher = threading.Thread(target=lambda: got.update(s=healer.recv_checkpoint(0, source.metadata(), 8, LONG)),
+                                   name="test-heal")
+        fetcher.start()
+        time.sleep(0.3)  # the healer was answered 400 (step 7 is served) and asks again
+        source.send_checkpoint([1], 8, {"w": torch.ones(8)}, LONG)
+        fetcher.join(20)
+        assert torch.equal(got["s"]["w"], torch.ones(8))
+        with pytest.raises(CheckpointError, match="serves step 8, not step 9"):
+            started = time.monotonic()
+            healer.recv_checkpoint(0, source.metadata(), 9, LONG)
+        assert_bounded(started, 2.0, "a fetch refused for serving another step")

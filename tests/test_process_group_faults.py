@@ -12,6 +12,7 @@ from datetime import timedelta
 import pytest
 
 TIMEOUT_S = 2.0
+REBUILD_TIMEOUT_S = 20.0
 
 
 def worker(store_addr: str, rank: int, world: int, cls_name: str) -> None:
@@ -40,6 +41,9 @@ def worker(store_addr: str, rank: int, world: int, cls_name: str) -> None:
         assert big[0].item() == world
         step += 1
         progress.set(f"step/{rank}", str(step))
+    # The survivors notice the loss up to TIMEOUT_S apart (a reset connection, or the op's deadline), so the
+    # rebuild's rendezvous waits longer than that for the other one (on a busy machine 2 s was too short).
+    group.set_timeout(timedelta(seconds=REBUILD_TIMEOUT_S))
     group.configure(f"{store_addr}/q2", f"r{rank}", rank, world - 1, quorum_id=2)
     results = []
     for _ in range(3):

@@ -17,6 +17,11 @@ from urllib.parse import urlsplit
 
 from ft_core.checkpointing import serialization as ser
 from ft_core.checkpointing.wire import MAX_ERROR_BODY, PIECE_BYTES, SOCKET_BUFFER_BYTES
+
+# How long a healer asks again while its source answers with another step (400): a source serves its last
+# step to that step's healers for their deadline, so a healer of the next quorum can ask just before its
+# source staged the new step. A source that truly serves another step fails the healer after this.
+OTHER_STEP_GRACE_S = 2.0
 from ft_core.control.rpc import backoff_delays, client_ssl_context
 from ft_core.errors import AuthError, CheckpointError, FTTimeoutError
 
@@ -103,6 +108,7 @@ class _Fetch:
         """GET the header, retrying while nothing is staged (the source may stage after we ask)."""
         delays = backoff_delays(initial=0.01, factor=1.5, cap=0.2, jitter=0.005)
         last = ""
+        other_step_until: float | None = None
         while True:
             conn = None
             try:
@@ -118,7 +124,11 @@ class _Fetch:
                     plan = ser.parse_header_frame(frame)
                     ser.check_step(plan, self.step)
                     return conn, plan
-                if resp.status != 503:  # 410: the source stopped serving this step: no point retrying
+                if resp.status == 400 and other_step_until is None:
+                    other_step_until = time.monotonic() + OTHER_STEP_GRACE_S
+                # 410: the source stopped serving this step, no point retrying. 400: it serves another step; it
+                # may be about to stage ours (it still serves its last one to that one's healers), so retry briefly.
+                if resp.status != 503 and not (resp.status == 400 and time.monotonic() < other_step_until):
                     raise self.refusal(resp, "the header")
                 last = f" (last answer: {resp.read(MAX_ERROR_BODY).decode('utf-8', 'replace')})"
                 conn.close()

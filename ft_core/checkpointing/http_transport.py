@@ -9,7 +9,9 @@ deadline), so a healer that fetches beside its step's collectives (`heals_during
 after its source's step ended; readers still streaming finish from the snapshot, which is freed once
 the next step is staged or that window ended, after the last reader. A healer asking for a step this
 source no longer serves gets 410 Gone and gives up at once; 503 means "not staged yet", which it
-retries until its deadline.
+retries until its deadline; 400 means the source serves another step, which it retries for a short
+grace (http_client.OTHER_STEP_GRACE_S: a healer of the next quorum may ask just before its source,
+still serving its last step, stages the new one).
 
 Client side (the healer): fetches the header, then all chunks over several keep-alive connections,
 reading straight into the final tensor storage (`readinto`) and checking each chunk's digest
@@ -156,9 +158,9 @@ class HTTPTransport(CheckpointTransport[Any]):
         """Register a reader of `step`, or say why not (HTTP status, message)."""
         with self._lock:
             staged = self._staged
-            if staged is None and self._kept is not None and self._kept.step == step \
-                    and time.monotonic() < self._kept_until:
-                staged = self._kept  # disallowed, still within the healers' deadline
+            kept = self._kept
+            if staged is None and kept is not None and step >= kept.step and time.monotonic() < self._kept_until:
+                staged = kept  # disallowed, still within its healers' deadline (a later step asked for: 400 below)
             if staged is None and step <= self._last_served_step:
                 return None, (410, (f"this source has stopped serving step {step} (its step ended); "
                                     "retry at the next quorum"))
