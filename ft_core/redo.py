@@ -383,30 +383,26 @@ def on_peer_lost(m: "Manager", quorum_id: int, replica_id: str) -> None:
     fut = m._quorum_future
     if fut is None or m._closed:
         return
-    if not fut.done():
+    configuring = not fut.done()
+    # the quorum still running, else a heal fetched beside the step (Manager._send_or_fetch) the vote waits for
+    pending = fut if configuring else (m._beside if m._healing else None)
+    if pending is not None and not pending.done():
         m._heal_sources.lost(quorum_id, replica_id)  # ft_core.healing: else it waits for the heal timeout
-        # A process group configure for that quorum waits for the lost member at its rendezvous: end it now
-        # (else the quorum thread, and the next quorum, wait for the collective timeout).
-        reason = (f"replica group {replica_id} of quorum {quorum_id} was lost while configuring (the lighthouse "
-                  "dropped it): this step's process group is abandoned, and rebuilt at the next quorum")
-        m._pg.cancel_configure(quorum_id, reason)
+        reason = None
+        if configuring:
+            # A process group configure for that quorum waits for the lost member at its rendezvous: end it now
+            # (else the quorum thread, and the next quorum, wait for the collective timeout).
+            reason = (f"replica group {replica_id} of quorum {quorum_id} was lost while configuring (the lighthouse "
+                      "dropped it): this step's process group is abandoned, and rebuilt at the next quorum")
+            m._pg.cancel_configure(quorum_id, reason)
 
         def settled(_f: Any) -> None:
             m._heal_sources.forget(quorum_id, replica_id)
-            m._pg.forget_cancel(quorum_id, reason)
+            if reason is not None:
+                m._pg.forget_cancel(quorum_id, reason)
             on_peer_lost(m, quorum_id, replica_id)
 
-        fut.add_done_callback(settled)
-        return
-    beside = m._beside  # a heal beside the step (Manager._send_or_fetch): released as one in the quorum is
-    if m._healing and beside is not None and not beside.done():
-        m._heal_sources.lost(quorum_id, replica_id)
-
-        def heal_ended(_f: Any) -> None:
-            m._heal_sources.forget(quorum_id, replica_id)
-            on_peer_lost(m, quorum_id, replica_id)
-
-        beside.add_done_callback(heal_ended)
+        pending.add_done_callback(settled)
         return
     if m._state.quorum_id != quorum_id or m._voted:  # voted: nothing of this step is left in flight
         return

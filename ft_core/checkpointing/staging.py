@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -52,24 +52,24 @@ class Staged:
 
     def wait_sent(self, until: float) -> bool:
         """Wait until every expected chunk was sent, or the monotonic time `until`; True if they were."""
+        self._wait(lambda: self.sent >= self.expected, until)
+        return self.sent >= self.expected
+
+    def wait_copied(self, blob: int, timeout_s: float) -> str | None:
+        """Wait until blobs[:blob + 1] are final; None, or why they are not (the snapshot failed or is late)."""
+        if not self._wait(lambda: self.copied > blob, time.monotonic() + timeout_s):
+            return f"the snapshot of step {self.step} is not ready after {timeout_s:.3g}s"
+        return self.failed
+
+    def _wait(self, done: Callable[[], bool], until: float) -> bool:
+        """Wait until done() or the snapshot failed (True), or the monotonic time `until` (False)."""
         with self._cond:
-            while self.sent < self.expected and self.failed is None:
+            while not done() and self.failed is None:
                 left = until - time.monotonic()
                 if left <= 0:
                     return False
                 self._cond.wait(left)
-            return self.sent >= self.expected
-
-    def wait_copied(self, blob: int, timeout_s: float) -> str | None:
-        """Wait until blobs[:blob + 1] are final; None, or why they are not (the snapshot failed or is late)."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while self.copied <= blob and self.failed is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return f"the snapshot of step {self.step} is not ready after {timeout_s:.3g}s"
-                self._cond.wait(left)
-            return self.failed
+            return True
 
 
 class HostStager:
