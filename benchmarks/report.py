@@ -168,6 +168,11 @@ def _failure_rows(failure: dict) -> list[list[str]]:
                                        "restart")):
         rows.append([name, f"<= {limit:g} s", _fmt(ours.get(key), " s") + _mark(ours.get(key), limit),
                      _fmt(ref.get(key), " s"), NA, _ratio(ours.get(key), ref.get(key)), REFERENCE[ref_key]])
+    warm = failure.get("restart_warm")
+    if isinstance(warm, dict) and "total_s" in warm:  # runs before 2026-12-05 had no warm spares
+        rows.append(["killed group: restart to first commit, warm spare (`ftl launch --spares`)", f"<= {RESTART_S:g} s",
+                     _fmt(warm["total_s"], " s") + _mark(warm["total_s"], RESTART_S), _fmt(ref.get("total_s"), " s"),
+                     NA, _ratio(warm["total_s"], ref.get("total_s")), "torchft: no spares (cold restart)"])
     lost = failure.get("lost_steps")
     if isinstance(lost, dict):
         for mode, entry in lost.items():
@@ -294,17 +299,23 @@ def _failure(res: dict) -> list[str]:
              "SIGKILLed in its forward pass and restarted at once. Phases of the restarted process, from its spawn "
              f"(median of {ours['repeats']}); torchft runs with its defaults through the same harness "
              "(benchmarks/_torchft_train.py).", ""]
-    rows = [[name, _fmt(ours.get(key), " s"), _fmt(ref.get(key), " s")] for key, name in PHASES]
-    rows.append(["**restart to first commit**", _fmt(ours["total_s"], " s"), _fmt(ref.get("total_s"), " s")])
+    warm = res.get("restart_warm") or {}
+    rows = [[name, _fmt(ours.get(key), " s"), _fmt(warm.get(key), " s"), _fmt(ref.get(key), " s")]
+            for key, name in PHASES]
+    rows.append(["**restart to first commit**", _fmt(ours["total_s"], " s"), _fmt(warm.get("total_s"), " s"),
+                 _fmt(ref.get("total_s"), " s")])
     rows.append(["**survivors' longest commit gap**", _fmt(ours["survivor_gap_s"], " s"),
-                 _fmt(ref.get("survivor_gap_s"), " s")])
+                 _fmt(warm.get("survivor_gap_s"), " s"), _fmt(ref.get("survivor_gap_s"), " s")])
     for key, name in (("survivor_gap_kill_s", "- of which before the restarted process was ready (the kill)"),
                       ("survivor_gap_rejoin_s", "- of which after it (its join and heal)"),
                       ("survivor_step_s", "survivors' median step before the kill")):
         if key in ours:  # runs before 2026-12-04 did not split the gap
-            rows.append([name, _fmt(ours.get(key), " s"), _fmt(ref.get(key), " s")])
-    rows.append(["checkpoint received", _fmt(ours.get("nbytes", 0) / 1e6, " MB"), NA])
-    lines += _table(["phase", "ours", "torchft"], rows)
+            rows.append([name, _fmt(ours.get(key), " s"), _fmt(warm.get(key), " s"), _fmt(ref.get(key), " s")])
+    rows.append(["checkpoint received", _fmt(ours.get("nbytes", 0) / 1e6, " MB"), NA, NA])
+    if warm:
+        lines[-2] += (" Warm spare: the restart is a spare process that had imported torch and ft_core before the "
+                      "kill (`ftl launch --spares`), timed from its activation.")
+    lines += _table(["phase", "ours, cold", "ours, warm spare", "torchft"], rows)
     if "skipped" in ref:
         lines += [f"torchft: {ref['skipped']}.", ""]
     vote = res.get("vote")

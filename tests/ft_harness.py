@@ -52,6 +52,7 @@ class Group:
     incarnation: int = 0
     proc: subprocess.Popen | None = None
     spawned_at: float = 0.0
+    spare: Any = None  # a warm spare the next start() becomes (prepare_spare)
 
     def path(self, kind: str, incarnation: int | None = None, rank: str = "{rank}") -> str:
         inc = self.incarnation if incarnation is None else incarnation
@@ -65,25 +66,47 @@ class Group:
     def stop_file(self) -> str:
         return os.path.join(self.workdir, "stop")
 
-    def start(self, extra: list[str] | None = None) -> subprocess.Popen:
-        """Start (or restart) the group; a fresh incarnation gets fresh logs and no armed kill."""
+    def _env(self) -> dict[str, str]:
         from conftest import child_env
 
+        return child_env(FT_LIGHTHOUSE=self.lighthouse, REPLICA_GROUP_ID=str(self.group_id),
+                         NUM_REPLICA_GROUPS=str(self.num_groups), **self.env)
+
+    def prepare_spare(self) -> str:
+        """Start a warm spare (ft_core.tools.spares) that the next `start()` becomes, as `ftl launch --spares`
+        does; returns the file that appears once its imports are done. One-rank groups only."""
+        from ft_core.tools.spares import Spare
+
+        assert self.nproc == 1, "warm spares in the harness are for one-rank groups"
+        ready = os.path.join(self.workdir, f"g{self.group_id}.spare.ready")
+        if os.path.exists(ready):
+            os.remove(ready)
+        self.spare = Spare([sys.executable, TRAIN], self._env(), ready_file=ready)
+        self.processes.handles.append(self.spare.proc)  # ended with the test's other children
+        return ready
+
+    def start(self, extra: list[str] | None = None) -> subprocess.Popen:
+        """Start (or restart) the group; a fresh incarnation gets fresh logs and no armed kill. A prepared
+        spare becomes it (spawned_at is then its activation)."""
         self.incarnation += 1
         if os.path.exists(self.kill_file):
             os.remove(self.kill_file)
         script = [TRAIN, "--step-log", self.path("steps.jsonl"), "--events", self.path("events.jsonl"),
                   "--digest-out", self.path("digest.json"), "--kill-file", self.kill_file,
                   "--stop-file", self.stop_file, *self.args, *(extra or [])]
-        env = child_env(FT_LIGHTHOUSE=self.lighthouse, REPLICA_GROUP_ID=str(self.group_id),
-                        NUM_REPLICA_GROUPS=str(self.num_groups), **self.env)
+        env = self._env()
         if self.nproc > 1:
             argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.nproc}",
                     "--max-restarts=0", *script]
         else:
             argv = [sys.executable, *script]
-        log = open(os.path.join(self.workdir, f"g{self.group_id}.i{self.incarnation}.out"), "w")
+        output = os.path.join(self.workdir, f"g{self.group_id}.i{self.incarnation}.out")
         self.spawned_at = time.time()
+        if self.spare is not None:
+            spare, self.spare = self.spare, None
+            self.proc = spare.activate(argv, env, output=output)
+            return self.proc
+        log = open(output, "w")
         self.proc = self.processes.spawn(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
         return self.proc
 

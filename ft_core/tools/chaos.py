@@ -67,7 +67,8 @@ from ft_core.tools.chaos_processes import LighthouseProcess, leftovers
 from ft_core.tools.chaos_report import build_parser, print_summary, summarize
 from ft_core.tools.chaos_state import Fault, Live, Stopped
 from ft_core.tools.chaos_worker import EXIT_FILE
-from ft_core.tools.launcher import GroupState, Launcher, LaunchEvent, StopSignals
+from ft_core.tools.launcher import GroupState, Launcher, LaunchEvent
+from ft_core.tools.stop_signals import StopSignals
 from ft_core.tools.netns import NetnsError
 
 __all__ = ["FAULT_KINDS", "NETWORK_KINDS", "ChaosConfig", "ChaosRun", "main"]

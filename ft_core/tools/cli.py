@@ -9,7 +9,7 @@ import importlib
 import sys
 
 from ft_core.errors import ConfigError
-from ft_core.tools.launcher import StopSignals
+from ft_core.tools.stop_signals import StopSignals
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "lighthouse": ("ft_core.control.lighthouse", "run the quorum server (one per job)"),

@@ -27,11 +27,11 @@ from ft_core.tools.launcher import (
     GroupStatus,
     Launcher,
     LaunchEvent,
-    StopSignals,
-    describe_exit,
     free_port,
     group_env,
 )
+from ft_core.tools.procs import describe_exit
+from ft_core.tools.stop_signals import StopSignals
 from ft_core.tools.status import fetch_status
 
 __all__ = [
@@ -282,6 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS,
                    help=f"give up on a group after this many crashes (kills by --kill-every do not count; "
                         f"default {DEFAULT_MAX_RESTARTS})")
+    p.add_argument("--spares", action="store_true",
+                   help="keep a warm spare per rank (torch and ft_core imported, waiting) so a restart skips the "
+                        "imports; costs one idle process per rank")
+    p.add_argument("--spare-import", action="append", default=[], metavar="MODULE",
+                   help="with --spares: also import MODULE ahead (e.g. lightning); repeatable")
     p.add_argument("--seed", type=int, default=None, help="seed of the fault schedule")
     p.add_argument("--token", default=None, help="shared token for every RPC (default: $FT_TOKEN)")
     p.add_argument("--log-dir", default=None, help="write each group's output to DIR/group<N>.log "
@@ -314,6 +319,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         errors.append("--max-restarts must be >= 0")
     if args.restart_delay < 0:
         errors.append("--restart-delay must be >= 0 seconds")
+    if args.spare_import and not args.spares:
+        errors.append("--spare-import needs --spares")
     if not args.command:
         errors.append("no script given: put it after `--`, e.g. `ftl launch --groups 2 -- train.py`")
     elif args.command[0] == "-m":
@@ -402,7 +409,8 @@ def main(argv: list[str], stop: StopSignals | None = None) -> int:
         launcher = Launcher(command, args.groups, nproc_per_group=args.nproc_per_group, lighthouse=address,
                             token=token, restart=not args.no_restart, restart_delay=args.restart_delay,
                             log_dir=args.log_dir, on_output=None if args.log_dir else on_output,
-                            on_event=on_event, stop_grace=args.stop_grace, max_restarts=args.max_restarts)
+                            on_event=on_event, stop_grace=args.stop_grace, max_restarts=args.max_restarts,
+                            spares=args.spares, spare_imports=args.spare_import)
         with launcher:
             if args.log_dir:
                 console.print(f"group output: {os.path.abspath(args.log_dir)}/group<N>.log")

@@ -28,6 +28,8 @@ from enum import Enum
 from typing import IO, Any, Protocol
 
 from ft_core.errors import JobFinishedError
+from ft_core.tools.procs import describe_exit, exit_status, signal_group
+from ft_core.tools.spares import Spare, spare_argv
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,7 @@ DEFAULT_RES_OPTIONS = "timeout:1 attempts:1"
 DEFAULT_MAX_RESTARTS = 10  # crashes of one group before it is given up on (kills by the launcher do not count)
 MAX_RESTART_DELAY_S = 30.0
 STABLE_RUN_S = 30.0  # an incarnation that ran this long before crashing starts the backoff over
+SPARE_DELAY_S = 10.0  # a group's spares start this long after its incarnation, not competing with its start
 _REFUSED = f"{JobFinishedError.__name__}: "  # how the engine's "the job finished ahead of you" ends a script
 
 
@@ -79,6 +82,7 @@ class GroupStatus:
     detail: str
     pids: tuple[int, ...]
     crashes: int = 0  # deaths the launcher did not cause
+    spare_pids: tuple[int, ...] = ()  # its warm spares, waiting to become its next incarnation
 
 
 @dataclass
@@ -105,6 +109,9 @@ class _Group:
     last_line: str = ""  # the last non-empty line the group printed (for "died" details)
     refusal: str = ""  # the JobFinishedError line a rank printed: the job finished ahead of this incarnation
     detail: str = ""
+    spares: list[Spare] = field(default_factory=list)  # one per rank, waiting to become the next incarnation
+    spare_at: float = 0.0  # when to start them
+    spares_off: str = ""  # why this group gets no more spares (one died before it was used)
 
 
 def restart_delay_after(base: float, crash_streak: int, cap: float = MAX_RESTART_DELAY_S) -> float:
@@ -161,43 +168,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def describe_exit(returncode: int | None) -> str:
-    """'exit 0', 'exit 3' or 'killed by SIGKILL' for a Popen returncode."""
-    if returncode is None:
-        return "running"
-    if returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exit {returncode}"
-
-
-def _exit_status(proc: subprocess.Popen) -> int | None:
-    """The returncode if `proc` has ended, WITHOUT reaping it (its pid stays ours); None while it runs."""
-    if proc.returncode is not None:
-        return proc.returncode
-    try:
-        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:  # already reaped elsewhere: let Popen tell us
-        return proc.poll()
-    if info is None or info.si_pid == 0:
-        return None
-    if info.si_code == os.CLD_EXITED:
-        return info.si_status
-    return -info.si_status
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    """Send `sig` to the process group (= session) led by `proc`, which we have not reaped yet."""
-    if proc.returncode is not None:  # reaped: its pid may belong to someone else now
-        return
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
-
-
 class Launcher:
     """Starts, watches, kills and restarts N replica groups of `nproc_per_group` ranks running `command`.
 
@@ -210,13 +180,19 @@ class Launcher:
                  restart: bool = True, restart_delay: float = 1.0, log_dir: str | None = None,
                  on_output: Callable[[int, int, str], None] | None = None,
                  on_event: Callable[[LaunchEvent], None] | None = None, stop_grace: float = 5.0,
-                 max_restarts: int | None = DEFAULT_MAX_RESTARTS) -> None:
+                 max_restarts: int | None = DEFAULT_MAX_RESTARTS, spares: bool = False,
+                 spare_imports: Sequence[str] = (), spare_delay: float = SPARE_DELAY_S) -> None:
         if not command:
             raise ValueError("Launcher needs a command to run, e.g. [sys.executable, 'train.py']")
         if num_groups < 1 or nproc_per_group < 1:
             raise ValueError(f"need at least one group of one rank (got groups={num_groups}, "
                              f"nproc_per_group={nproc_per_group})")
+        if spares:
+            spare_argv(command, spare_imports)  # ValueError now, not at the first restart
         self.command = list(command)
+        self.spares = spares
+        self.spare_imports = tuple(spare_imports)
+        self.spare_delay = spare_delay
         self.num_groups = num_groups
         self.nproc_per_group = nproc_per_group
         self.lighthouse = lighthouse
@@ -243,7 +219,8 @@ class Launcher:
         inc = g.incarnation
         return GroupStatus(group=g.index, state=g.state, incarnation=max(0, g.next_incarnation - 1),
                            kills=g.kills, deaths=g.deaths, detail=g.detail,
-                           pids=tuple(p.pid for p in inc.ranks) if inc else (), crashes=g.crashes)
+                           pids=tuple(p.pid for p in inc.ranks) if inc else (), crashes=g.crashes,
+                           spare_pids=tuple(s.proc.pid for s in g.spares))
 
     def statuses(self) -> list[GroupStatus]:
         return [self.status(i) for i in range(self.num_groups)]
@@ -298,9 +275,11 @@ class Launcher:
             g.last_line = ""
             g.refusal = ""
             g.started_at = time.monotonic()
+            g.spare_at = g.started_at + self.spare_delay
+            warm = self._take_spares(g)
             try:
                 for rank in range(self.nproc_per_group):
-                    self._spawn_rank(g, inc, rank)
+                    self._spawn_rank(g, inc, rank, warm[rank] if warm else None)
             except OSError as exc:
                 self._end_incarnation(g, signal.SIGKILL)
                 g.state = GroupState.LOST
@@ -308,7 +287,7 @@ class Launcher:
                 self._emit("lost", g, g.detail)
                 return
             pids = ",".join(str(p.pid) for p in inc.ranks)
-            self._emit("started", g, f"pid {pids}, MASTER_PORT {inc.master_port}")
+            self._emit("started", g, f"pid {pids}, MASTER_PORT {inc.master_port}" + (", from warm spares" if warm else ""))
 
     def kill_group(self, group: int, reason: str = "killed") -> bool:
         """SIGKILL every process of `group` at once (a machine dying); it restarts unless restart=False."""
@@ -357,6 +336,8 @@ class Launcher:
                         self._emit("lost", g, g.detail)
                     else:
                         self.start_group(g.index)
+                if self.spares:
+                    self._tend_spares(g, now)
             return self.events[first:]
 
     def run_until_done(self, stop: threading.Event | None = None, *, injector: FailureSource | None = None,
@@ -381,6 +362,7 @@ class Launcher:
             live = [g for g in self._groups if g.state == GroupState.RUNNING and g.incarnation is not None]
             self._terminate(live, self.stop_grace if grace is None else grace)
             for g in self._groups:
+                self._dismiss_spares(g)
                 if g.state in (GroupState.RUNNING, GroupState.RESTARTING, GroupState.PENDING):
                     g.state = GroupState.STOPPED
                     g.detail = (g.detail + "; " if g.detail else "") + "stopped at shutdown"
@@ -394,30 +376,84 @@ class Launcher:
 
     # ----------------------------------------------------------------- internals
 
-    def _spawn_rank(self, g: _Group, inc: _Incarnation, rank: int) -> None:
-        env = group_env(self.base_env, group=g.index, num_groups=self.num_groups, rank=rank,
-                        nproc_per_group=self.nproc_per_group, master_port=inc.master_port,
-                        lighthouse=self.lighthouse, token=self.token, restart_count=inc.number)
+    def _spawn_rank(self, g: _Group, inc: _Incarnation, rank: int, spare: Spare | None = None) -> None:
+        env = self._rank_env(g, rank, inc.master_port, inc.number)
         stdout: Any = None
         path = self.log_path(g.index, rank)
         if path:
             log = open(path, "ab")  # noqa: SIM115 - owned by the incarnation, closed when it ends
             log.write(f"===== group {g.index} rank {rank} incarnation {inc.number} "
-                      f"started {time.strftime('%H:%M:%S')} =====\n".encode())
+                      f"started {time.strftime('%H:%M:%S')}{' (warm spare)' if spare else ''} =====\n".encode())
             log.flush()
             inc.logs.append(log)
             stdout = log
         elif self.on_output is not None:
             stdout = subprocess.PIPE
-        proc = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL, stdout=stdout,
-                                stderr=subprocess.STDOUT if stdout is not None else None,
-                                start_new_session=True)
+        proc = None
+        if spare is not None:  # its output already goes where this rank's goes
+            try:
+                proc = spare.activate(self.command, env)
+            except OSError as exc:
+                logger.warning("group %d rank %d: %s; starting it cold", g.index, rank, exc)
+                spare.dismiss()
+        if proc is None:
+            proc = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL, stdout=stdout,
+                                    stderr=subprocess.STDOUT if stdout is not None else None,
+                                    start_new_session=True)
         inc.ranks.append(proc)
         if stdout is subprocess.PIPE:
             reader = threading.Thread(target=self._pump, args=(g.index, rank, proc.stdout),
                                       name=f"ftl-launch-output-g{g.index}r{rank}", daemon=True)
             reader.start()
             inc.readers.append(reader)
+
+    def _rank_env(self, g: _Group, rank: int, master_port: int, incarnation: int) -> dict[str, str]:
+        return group_env(self.base_env, group=g.index, num_groups=self.num_groups, rank=rank,
+                         nproc_per_group=self.nproc_per_group, master_port=master_port,
+                         lighthouse=self.lighthouse, token=self.token, restart_count=incarnation)
+
+    def _take_spares(self, g: _Group) -> list[Spare]:
+        """The group's spares for its new incarnation if every rank has a live one (else none: all start cold)."""
+        spares, g.spares = g.spares, []
+        if spares and all(s.alive() for s in spares):
+            return spares
+        for spare in spares:
+            spare.dismiss()
+        return []
+
+    def _tend_spares(self, g: _Group, now: float) -> None:
+        """Start a running group's spares when due; drop them when it is over or one of them died."""
+        if self._closed or g.state in (GroupState.DONE, GroupState.LOST, GroupState.STOPPED):
+            self._dismiss_spares(g)
+        elif g.spares:
+            dead = next((s for s in g.spares if not s.alive()), None)
+            if dead is not None:  # an import failed, or the OOM killer: do not keep starting them
+                self._dismiss_spares(g)
+                g.spares_off = (f"a warm spare ended before it was used ({describe_exit(exit_status(dead.proc))}, "
+                                f"see the group's output); this group restarts cold from now on")
+                self._emit("spare", g, g.spares_off)
+        elif g.state == GroupState.RUNNING and not g.spares_off and now >= g.spare_at:
+            try:
+                for rank in range(self.nproc_per_group):
+                    g.spares.append(self._start_spare(g, rank))
+            except OSError as exc:
+                self._dismiss_spares(g)
+                g.spares_off = f"could not start a warm spare: {exc}; this group restarts cold"
+                self._emit("spare", g, g.spares_off)
+
+    def _start_spare(self, g: _Group, rank: int) -> Spare:
+        env = self._rank_env(g, rank, 0, g.next_incarnation)  # the port and count come with the activation
+        path = self.log_path(g.index, rank)
+        if path:
+            with open(path, "ab") as log:  # the spare keeps its own copy
+                return Spare(self.command, env, stdout=log, imports=self.spare_imports)
+        return Spare(self.command, env, stdout=subprocess.PIPE if self.on_output is not None else None,
+                     imports=self.spare_imports)
+
+    def _dismiss_spares(self, g: _Group) -> None:
+        for spare in g.spares:
+            spare.dismiss()
+        g.spares = []
 
     def _pump(self, group: int, rank: int, stream: IO[bytes]) -> None:
         assert self.on_output is not None
@@ -436,7 +472,7 @@ class Launcher:
 
     def _check(self, g: _Group) -> None:
         assert g.incarnation is not None
-        codes = [_exit_status(p) for p in g.incarnation.ranks]
+        codes = [exit_status(p) for p in g.incarnation.ranks]
         failed = [(rank, c) for rank, c in enumerate(codes) if c is not None and c != 0]
         if failed:
             rank, code = failed[0]
@@ -509,7 +545,7 @@ class Launcher:
         if inc is None:
             return
         for proc in inc.ranks:
-            _signal_group(proc, sig)
+            signal_group(proc, sig)
         for proc in inc.ranks:
             try:
                 proc.wait(timeout=10)
@@ -525,10 +561,10 @@ class Launcher:
         """SIGTERM the groups, wait up to `grace` s for them to exit, then SIGKILL whatever is left."""
         for g in groups:
             for proc in g.incarnation.ranks if g.incarnation else ():
-                _signal_group(proc, signal.SIGTERM)
+                signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + max(0.0, grace)
         while time.monotonic() < deadline:
-            if all(_exit_status(p) is not None for g in groups for p in (g.incarnation.ranks if g.incarnation else ())):
+            if all(exit_status(p) is not None for g in groups for p in (g.incarnation.ranks if g.incarnation else ())):
                 break
             time.sleep(0.05)
         for g in groups:
@@ -541,45 +577,3 @@ class Launcher:
         logger.info("group %d %s: %s", g.index, kind, detail)
         if self.on_event is not None:
             self.on_event(event)
-
-
-# --------------------------------------------------------------------------- signals
-
-class StopSignals:
-    """Turns SIGINT/SIGTERM/SIGHUP into a stop request (a flag, so no spawn is ever interrupted halfway).
-
-    Installed only from the main thread; `restore()` puts the previous handlers back.
-    """
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.received: int | None = None
-        self.count = 0
-        self._previous: dict[int, Any] = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: object) -> None:
-        self.count += 1
-        if self.received is None:
-            self.received = signum
-        self.event.set()
-
-    @property
-    def exit_code(self) -> int:
-        """128 + the signal number, as a shell reports it (130 for Ctrl-C)."""
-        return 128 + (self.received or signal.SIGINT)
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    def __enter__(self) -> StopSignals:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.restore()
