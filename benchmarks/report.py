@@ -176,7 +176,8 @@ def _failure_rows(failure: dict) -> list[list[str]]:
     lost = failure.get("lost_steps")
     if isinstance(lost, dict):
         for mode, entry in lost.items():
-            if not isinstance(entry, dict) or "survivor_steps_lost" not in entry or "kills" not in entry:
+            if mode == "target" or not isinstance(entry, dict) or "survivor_steps_lost" not in entry \
+                    or "kills" not in entry:
                 continue
             n, kills = entry["survivor_steps_lost"], entry["kills"]
             ok = " ✓" if n == 0 and kills >= LOST_STEPS_KILLS else " ✗" if n else ""

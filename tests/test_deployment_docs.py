@@ -73,7 +73,7 @@ def yaml_commands_and_env(body: str) -> tuple[list[list[str]], set[str]]:
 
 def commands_in(tokens: list[str]) -> list[tuple[str, list[str]]]:
     """(command, its flags) for each `ftl SUB [SUB2]` or `torchrun` in a token list; a command's flags
-    end at its script (a .py token) or a shell operator."""
+    end at its script (a .py token), at `--` or at a shell operator."""
     found = []
     for i, token in enumerate(tokens):
         if token == "ftl" and i + 1 < len(tokens):
@@ -87,7 +87,7 @@ def commands_in(tokens: list[str]) -> list[tuple[str, list[str]]]:
             continue
         flags = []
         for tok in tokens[start:]:
-            if tok in SHELL_OPERATORS or tok.endswith(".py"):
+            if tok in SHELL_OPERATORS or tok.endswith(".py") or tok == "--":  # `--`: the script follows
                 break
             if tok.startswith("--"):
                 flags.append(tok.split("=", 1)[0])
@@ -179,7 +179,7 @@ def test_every_flag_the_recipes_pass_is_accepted_by_the_real_parser():
 
 @pytest.mark.timeout(90)
 def test_flags_named_in_prose_exist_in_one_of_the_recipe_commands():
-    everything = set().union(*(parser_flags(name) for name in ("torchrun", "lighthouse", "status",
+    everything = set().union(*(parser_flags(name) for name in ("torchrun", "lighthouse", "status", "launch",
                                                                "accelerate launch")))
     named = {f.split("=", 1)[0] for span in inline_spans(TEXT) for f in FLAG.findall(span)}
     assert "--local-addr" in named, sorted(named)
