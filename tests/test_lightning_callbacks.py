@@ -90,7 +90,9 @@ def check_run(tmp_path: Path) -> None:
     for step, (save,) in sorted(per_step.items()):
         assert save["rank"] == 0 and save["group"] == min(committers[step]), (step, save, committers[step])
         writers.append(save["group"])
-    assert 1 in writers and writers[-1] == 0, writers  # group 1 wrote while group 0 was away, then group 0 again
+    # another group wrote while group 0 was away (group 1, or group 2 when group 1 was itself still joining:
+    # a busy machine may start it late, healing at its first step), then group 0 again
+    assert any(w != 0 for w in writers) and writers[-1] == 0, writers
     assert any(r["group"] == 0 and r["pid"] != victim_pid for r in saves), "the healed group wrote no checkpoint"
     on_disk = sorted(str(p) for p in (tmp_path / "ckpts").glob("*.ckpt"))
     assert on_disk == sorted(summaries[1]["best_k_models"]), (on_disk, summaries[1]["best_k_models"])
