@@ -282,12 +282,15 @@ class Launcher:
                     self._spawn_rank(g, inc, rank, warm[rank] if warm else None)
             except OSError as exc:
                 self._end_incarnation(g, signal.SIGKILL)
+                for spare in warm[len(inc.ranks):]:  # the ranks after the one that failed never took theirs
+                    spare.dismiss()
                 g.state = GroupState.LOST
                 g.detail = f"could not start {self.command[0]!r}: {exc}"
                 self._emit("lost", g, g.detail)
                 return
             pids = ",".join(str(p.pid) for p in inc.ranks)
-            self._emit("started", g, f"pid {pids}, MASTER_PORT {inc.master_port}" + (", from warm spares" if warm else ""))
+            source = ", from warm spares" if warm else ""
+            self._emit("started", g, f"pid {pids}, MASTER_PORT {inc.master_port}{source}")
 
     def kill_group(self, group: int, reason: str = "killed") -> bool:
         """SIGKILL every process of `group` at once (a machine dying); it restarts unless restart=False."""
