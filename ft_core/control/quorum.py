@@ -226,7 +226,7 @@ def decide(state: LighthouseState, now: float, config: QuorumConfig) -> Decision
     if not joined:
         return wait(f"No waiting replica is healthy (no heartbeat within {config.heartbeat_timeout_ms} ms).")
 
-    if state.reported:  # rule 10: a quorum this lighthouse never issued waits for its unheard members a while
+    if state.reported:  # rule 10: a quorum this lighthouse never issued waits for its members to ask
         unheard = unheard_reported_members(state, now, config)
         if unheard:
             return wait(unheard_reason(unheard, now, config))
@@ -307,32 +307,39 @@ def reported_members(reported: Mapping[str, Reported], member: QuorumMember, quo
     return new
 
 
-def unheard_reported_members(state: LighthouseState, now: float, config: QuorumConfig) -> list[tuple[str, Reported]]:
+def unheard_reported_members(state: LighthouseState, now: float, config: QuorumConfig
+                             ) -> list[tuple[str, Reported, bool]]:
     """Rule 10: members of a quorum this lighthouse never issued (reported by the members, above its own latest
-    id) that it has not heard from (not heartbeating, not waiting), learned of less than heartbeat_timeout ago;
-    sorted by replica id. Such a member may hold committed steps no one else holds: a quorum without it could
-    train them again on another history. Once it heartbeats the other rules apply; past the timeout it is dead."""
+    id) that have not asked it for a quorum yet, with whether they heartbeat; sorted by replica id. Such a member
+    may hold committed steps no one else holds, and until it asks (a request carries its step) this lighthouse
+    cannot tell: rule 9 knows steps only from its own quorums. A quorum without it could train those steps again
+    on another history, so it is waited for while it heartbeats (found by ftl chaos: a member reconnected its
+    heartbeat to a restarted lighthouse while still in its step, was left behind as a straggler at the join
+    timeout, and the others trained the step it alone had committed again); one never heard from is waited for
+    one heartbeat timeout after it was reported, and past that it is dead."""
     limit = config.heartbeat_timeout_s
     unheard = []
     for rid, known in state.reported.items():
-        if known.quorum_id <= state.quorum_id or now - known.learned_at >= limit or rid in state.waiting:
+        if known.quorum_id <= state.quorum_id or rid in state.waiting:
             continue
         seen = state.heartbeats.get(rid)
-        if seen is None or now - seen >= limit:
-            unheard.append((rid, known))
+        heartbeating = seen is not None and now - seen < limit
+        if heartbeating or now - known.learned_at < limit:
+            unheard.append((rid, known, heartbeating))
     return sorted(unheard, key=lambda item: item[0])
 
 
-def unheard_reason(unheard: Sequence[tuple[str, Reported]], now: float, config: QuorumConfig) -> str:
+def unheard_reason(unheard: Sequence[tuple[str, Reported, bool]], now: float, config: QuorumConfig) -> str:
     """Rule 10's wait, naming the members it waits for and why."""
-    shown = ", ".join(f"{rid} (quorum {known.quorum_id}, "
-                      f"{config.heartbeat_timeout_s - (now - known.learned_at):.1f} s left)"
-                      for rid, known in unheard[:8])
+    shown = ", ".join(f"{rid} (quorum {known.quorum_id}, " + (
+        "heartbeating, has not asked for a quorum yet)" if heartbeating else
+        f"{config.heartbeat_timeout_s - (now - known.learned_at):.1f} s left)") for rid, known, heartbeating in unheard[:8])
     more = f" and {len(unheard) - 8} more" if len(unheard) > 8 else ""
     return (f"New quorum not ready: waiting for {shown}{more}: member(s) of a quorum this lighthouse never issued "
-            f"(it restarted or took over), reported by the members, not heard from yet; a quorum without them could "
-            f"train steps they committed again. Waiting until they heartbeat or heartbeat_timeout "
-            f"({config.heartbeat_timeout_ms} ms) passes since they were reported.")
+            f"(it restarted or took over), reported by the members, that have not asked for a quorum yet; their "
+            f"steps are unknown here, and a quorum without them could train steps they committed again. Waiting "
+            f"until they ask, or stop heartbeating (one never heard from: heartbeat_timeout "
+            f"({config.heartbeat_timeout_ms} ms) after it was reported).")
 
 
 def member_problem(member: QuorumMember | None) -> str | None:

@@ -139,7 +139,7 @@ class ChaosRun:
         self.launcher = Launcher(worker, cfg.groups, nproc_per_group=cfg.cell.ranks,
                                  lighthouse=",".join(lh.address for lh in self.lighthouses), token=cfg.token,
                                  restart=True, restart_delay=cfg.restart_delay, log_dir=os.path.join(cfg.out, "logs"),
-                                 on_event=self._on_launch_event, stop_grace=5.0)
+                                 on_event=self._on_launch_event, stop_grace=5.0, spares=cfg.spares)
 
     def say(self, message: str) -> None:
         logger.info(message)
@@ -546,7 +546,7 @@ def main(argv: list[str]) -> int:
                           duration=opts.duration, min_replicas=opts.min_replicas, interval=opts.interval,
                           timeout=opts.timeout, heartbeat_timeout_ms=opts.heartbeat_timeout_ms,
                           transport_delay_ms=opts.transport_delay_ms, transport_drop=opts.transport_drop,
-                          kinds=kinds, network=opts.network,
+                          kinds=kinds, network=opts.network, spares=opts.spares,
                           quiet_steps=opts.quiet_steps, cells=parse_matrix(opts.matrix), ledger=opts.ledger,
                           token=os.environ.get("FT_TOKEN") or None)
     except ValueError as exc:

@@ -120,6 +120,7 @@ class ChaosConfig:
     ledger: bool = False  # data from the exactly-once DistributedSampler, ledger checked per epoch
     network: bool = False  # groups and lighthouses (primary + standby) on simulated hosts; NETWORK_KINDS allowed
     ordered: bool = False  # draw the kinds in the order given (each round), not shuffled
+    spares: bool = False  # killed groups restart from warm spares (ftl launch --spares)
     dataset_size: int = 240
     token: str | None = field(default=None, repr=False)
 
@@ -137,6 +138,8 @@ class ChaosConfig:
                     (not unknown, (f"unknown fault kinds {unknown}; choose from "
                                    f"{', '.join(FAULT_KINDS + NETWORK_KINDS)}")),
                     (not needs_network, f"fault kinds {needs_network} need --network (simulated hosts)"),
+                    (not (self.spares and self.network), "--spares does not combine with --network: a group on a "
+                     "simulated host is started through `ip netns exec`, which a spare cannot become"),
                     (bool(self.kinds), "at least one fault kind is needed"),
                     (bool(self.cells) and all(0 <= c < len(MATRIX) for c in self.cells),
                      f"cells must be among 0..{len(MATRIX) - 1} (got {self.cells})")]

@@ -174,6 +174,9 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
     p.add_argument("--ledger", action="store_true",
                    help="train on the exactly-once DistributedSampler (ft_core.data) and check its ledger per epoch "
                         "(lost, duplicated samples); default: synthetic batches")
+    p.add_argument("--spares", action="store_true",
+                   help="restart killed groups from warm spares (torch and ft_core imported ahead), as "
+                        "`ftl launch --spares` does")
     p.add_argument("--network", action="store_true",
                    help="run the groups and two lighthouses (primary + standby) on simulated hosts and add the "
                         "network faults host_cut, partition, lighthouse_cut (needs root, `ip netns`, nft; "

@@ -291,6 +291,7 @@ def test_ftl_chaos_matrix_list_prints_the_cells():
     ({"min_replicas": 3}, "--min-replicas"),
     ({"kinds": ("kill", "meteor")}, "unknown fault kinds ['meteor']"),
     ({"faults": -1}, "--faults"),
+    ({"spares": True, "network": True}, "--spares does not combine with --network"),
 ])
 def test_bad_chaos_settings_are_refused_with_the_fix(kwargs, message, tmp_path):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
