@@ -219,3 +219,14 @@ def test_a_spare_that_dies_turns_its_groups_spares_off_and_the_restart_is_cold(t
         assert not _reports(report)[1]["preloaded"]
         launcher.poll()
         assert launcher.status(0).spare_pids == ()  # no new spares for this group
+
+
+@pytest.mark.timeout(60)
+def test_an_activation_larger_than_the_pipe_is_refused_at_once_not_waited_on(reporter):
+    spare = Spare([sys.executable, str(reporter)], child_env())
+    try:
+        with pytest.raises(OSError, match="larger than its pipe takes at once"):  # a blocking write would hang here
+            spare.activate([sys.executable, str(reporter)], child_env(BIG="x" * (1 << 20)))
+    finally:
+        spare.dismiss()
+    assert spare.proc.returncode is not None

@@ -331,9 +331,12 @@ def unheard_reported_members(state: LighthouseState, now: float, config: QuorumC
 
 def unheard_reason(unheard: Sequence[tuple[str, Reported, bool]], now: float, config: QuorumConfig) -> str:
     """Rule 10's wait, naming the members it waits for and why."""
-    shown = ", ".join(f"{rid} (quorum {known.quorum_id}, " + (
-        "heartbeating, has not asked for a quorum yet)" if heartbeating else
-        f"{config.heartbeat_timeout_s - (now - known.learned_at):.1f} s left)") for rid, known, heartbeating in unheard[:8])
+    def left(known: Reported, heartbeating: bool) -> str:
+        if heartbeating:
+            return "heartbeating, has not asked for a quorum yet"
+        return f"{config.heartbeat_timeout_s - (now - known.learned_at):.1f} s left"
+
+    shown = ", ".join(f"{rid} (quorum {known.quorum_id}, {left(known, hb)})" for rid, known, hb in unheard[:8])
     more = f" and {len(unheard) - 8} more" if len(unheard) > 8 else ""
     return (f"New quorum not ready: waiting for {shown}{more}: member(s) of a quorum this lighthouse never issued "
             f"(it restarted or took over), reported by the members, that have not asked for a quorum yet; their "

@@ -24,7 +24,6 @@ import runpy
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
@@ -158,7 +157,6 @@ class Spare:
     def __init__(self, command: Sequence[str], env: Mapping[str, str], *, stdout: Any = None,
                  imports: Sequence[str] = (), ready_file: str | None = None) -> None:
         self.ready_file = ready_file
-        self.started_at = time.monotonic()
         self.proc = subprocess.Popen(spare_argv(command, imports, ready_file), env=dict(env), stdin=subprocess.PIPE,
                                      stdout=stdout, stderr=subprocess.STDOUT if stdout is not None else None,
                                      start_new_session=True)
@@ -166,19 +164,23 @@ class Spare:
     def alive(self) -> bool:
         return exit_status(self.proc) is None
 
-    def ready(self) -> bool:
-        """True once its imports are done (only known with a ready file)."""
-        return bool(self.ready_file) and os.path.exists(self.ready_file)
-
     def activate(self, argv: Sequence[str], env: Mapping[str, str], output: str | None = None) -> subprocess.Popen:
-        """Hand it the rank to become; returns its process, now the rank's. OSError if it died meanwhile."""
+        """Hand it the rank to become; returns its process, now the rank's. OSError if it died meanwhile, or if
+        the line does not fit in the pipe at once (never blocks: a stopped spare would not read it)."""
         stdin: IO[bytes] | None = self.proc.stdin
         assert stdin is not None
+        line = Activation(tuple(argv), env, output).encode()
         try:
-            stdin.write(Activation(tuple(argv), env, output).encode())
+            os.set_blocking(stdin.fileno(), False)
+            written = os.write(stdin.fileno(), line)
             stdin.close()
         except (BrokenPipeError, ValueError) as exc:  # it ended (a failed import, the OOM killer)
             raise OSError(f"warm spare pid {self.proc.pid} ended before its activation: {exc}") from exc
+        except BlockingIOError as exc:
+            raise OSError(f"warm spare pid {self.proc.pid} is not reading its activation: {exc}") from exc
+        if written < len(line):
+            raise OSError(f"warm spare pid {self.proc.pid}: the activation ({len(line)} bytes, the environment "
+                          f"included) is larger than its pipe takes at once ({written} bytes)")
         return self.proc
 
     def dismiss(self) -> None:
