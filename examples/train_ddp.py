@@ -43,7 +43,7 @@ from ft_core.manager import Manager, WorldSizeMode  # noqa: E402
 from ft_core.optim import OptimizerWrapper  # noqa: E402
 from ft_core.process_groups import ProcessGroupGloo  # noqa: E402
 
-KILL_POINTS = ("forward", "allreduce", "should_commit", "send_checkpoint")
+KILL_POINTS = ("forward", "allreduce", "should_commit", "send_checkpoint", "serve_checkpoint")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -139,7 +139,7 @@ class KillSwitch:
 
 
 def install_kill(switch: KillSwitch, manager: Manager, ddp: torch.nn.Module) -> None:
-    """Hook the kill switch into the four points of a step."""
+    """Hook the kill switch into the four points of a step, and into a healer's fetch from this source."""
     ddp.register_forward_pre_hook(lambda *_: switch.check("forward"))
     issue = manager._allreduce_future
 
@@ -166,6 +166,16 @@ def install_kill(switch: KillSwitch, manager: Manager, ddp: torch.nn.Module) -> 
         switch.check("send_checkpoint")
 
     transport.send_checkpoint = send_then_check
+    acquire = getattr(transport, "acquire", None)  # the HTTP transport's server: a healer's request arrives
+    if acquire is not None:
+
+        def acquire_then_check(step: int) -> object:
+            taken = acquire(step)
+            if taken[0] is not None:  # a healer is fetching from this source now: die mid-transfer
+                switch.check("serve_checkpoint")
+            return taken
+
+        transport.acquire = acquire_then_check
 
 
 def delay_first_heal(manager: Manager, seconds: float) -> None:
