@@ -53,6 +53,7 @@ from ft_core.tools.chaos_matrix import (
     HEAL_KINDS,
     NETWORK_KINDS,
     ChaosConfig,
+    draw_kind,
     matrix_table,
     parse_matrix,
 )
@@ -111,6 +112,7 @@ class ChaosRun:
         self.stranded: list[int] = []  # groups stopped at the end, stranded below the exit step
         self.lighthouse_back_at: float | None = None
         self.armed: tuple[str, float] | None = None  # (kind, armed at) of a heal fault waiting for a heal
+        self.heal_miss = ""  # why the armed heal fault did not fire at the last heal it saw (for its skip)
         self.bag: list[str] = []  # fault kinds left in this round
         self.target: int | None = None
         self.progress_mark = 0
@@ -260,10 +262,14 @@ class ChaosRun:
             if time.monotonic() - armed_at > self.cfg.heal_wait:
                 self.skipped[kind] += 1
                 self.armed = None
-                self.say(f"no heal seen within {self.cfg.heal_wait:.0f}s: {kind} skipped")
+                seen = f" (the last heal seen: {self.heal_miss})" if self.heal_miss else ""
+                self.say(f"no heal to fault within {self.cfg.heal_wait:.0f}s: {kind} skipped{seen}")
                 return
             recovering = [g for g in range(self.cfg.groups) if g not in self.up_groups()]
-            victim = self._victim() if not recovering and time.monotonic() >= self.next_fault_at else None
+            # the provoking kill leaves the heal fault its own slot of the budget: a kill that took the last
+            # one would end the faults phase, and with it this armed fault, before the heal it provoked
+            room = self.cfg.faults - len(self.faults) >= 2
+            victim = self._victim() if room and not recovering and time.monotonic() >= self.next_fault_at else None
             if victim is not None:
                 self._kill(victim, "kill", "to provoke a heal")
             return
@@ -276,6 +282,8 @@ class ChaosRun:
         source = self._group_at(str(start.get("source")))
         holders = self.up_to_date()
         if source is None or source == receiver or source not in holders or len(holders) < 2:
+            self.heal_miss = (f"group {receiver} receiving step {start.get('step')} from {start.get('source')} "
+                              f"(group {source}), up-to-date groups {holders}")
             return  # only while another group still holds the latest state
         self.armed = None
         self._kill(source, kind, f"sending step {start.get('step')} to group {receiver}", **where)
@@ -311,10 +319,10 @@ class ChaosRun:
             self.bag = list(self.cfg.kinds)
             if not self.cfg.ordered:
                 self.rng.shuffle(self.bag)
-        kind = self.bag[0]
+        kind = draw_kind(self.bag, self.cfg.faults - len(self.faults))
         if kind in HEAL_KINDS:
             self.bag.pop(0)
-            self.armed = (kind, time.monotonic())
+            self.armed, self.heal_miss = (kind, time.monotonic()), ""
             return
         if kind == "lighthouse":
             if len(self.up_groups()) >= self.cfg.min_replicas:
@@ -367,6 +375,7 @@ class ChaosRun:
         """No new faults: an armed heal fault that has not fired is skipped."""
         if self.armed is not None:
             self.skipped[self.armed[0]] += 1
+            self.say(f"{self.armed[0]} found no heal to fault before the faults phase ended: skipped")
             self.armed = None
 
     def _converged(self) -> bool:

@@ -39,7 +39,7 @@ from ft_core.tools.chaos_checks import (
     network_fault_outcomes,
     parse_log_name,
 )
-from ft_core.tools.chaos_matrix import MATRIX, cell_for, parse_matrix
+from ft_core.tools.chaos_matrix import MATRIX, cell_for, draw_kind, parse_matrix
 from ft_core.tools.chaos_network import network_order, network_unavailable
 from ft_core.tools.chaos_processes import leftovers
 from ft_core.tools.chaos_report import ledger_lines
@@ -277,6 +277,23 @@ def test_the_matrix_covers_every_pair_of_dimensions_and_the_seed_picks_the_cell(
     for bad in ("9", "x"):
         with pytest.raises(ValueError, match="--matrix"):
             parse_matrix(bad)
+
+
+@pytest.mark.parametrize("bag, slots_left, drawn, left", [
+    (["kill_heal_source", "hang", "kill"], 3, "kill_heal_source", ["kill_heal_source", "hang", "kill"]),
+    (["kill_heal_source", "hang", "kill"], 2, "kill_heal_source", ["kill_heal_source", "hang", "kill"]),
+    # the last slot: a heal fault could not have its provoking kill as well, so the next other kind goes first
+    (["kill_heal_source", "kill_heal_receiver", "hang", "kill"], 1, "hang",
+     ["hang", "kill_heal_source", "kill_heal_receiver", "kill"]),
+    (["kill_heal_receiver", "kill_heal_source"], 1, "kill_heal_receiver", ["kill_heal_receiver", "kill_heal_source"]),
+    (["lighthouse", "kill_heal_source"], 1, "lighthouse", ["lighthouse", "kill_heal_source"]),
+])
+def test_a_heal_fault_is_not_drawn_for_the_last_slot_when_another_kind_is_left(bag, slots_left, drawn, left):
+    """Seed 20791 (cell c7): the second round's kill_heal_source, armed for the last slot of the budget, spent
+    it on the kill that provoked its heal, which ended the faults phase and skipped it. The provoking kill
+    now needs a slot beside the heal fault's, and the last slot goes to another kind when the round has one."""
+    assert draw_kind(bag, slots_left) == drawn
+    assert bag == left
 
 
 def test_ftl_chaos_matrix_list_prints_the_cells():
