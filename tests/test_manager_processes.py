@@ -44,8 +44,10 @@ def test_sigkill_at_every_point_of_a_step_then_restart_heals_identical(processes
         # dies while sending it the checkpoint; g1 then heals from g2, and g0 later from a live peer.
         g1.arm_kill("forward")
         assert g1.wait_exit(30) == -9
-        g0.arm_kill("serve_checkpoint")  # when g1's fetch reaches it: not after a fixed sleep, which a fast
-        g1.start()                       # fetch of this small state could outrun (g1 then healed from g0)
+        # g0 dies when g1's fetch reaches it, not after a fixed sleep: a fetch of this small state could
+        # finish within the sleep, and g1 would heal from g0 before it died
+        g0.arm_kill("serve_checkpoint")
+        g1.start()
         assert g0.wait_exit(60) == -9, g0.output()[-2000:]
         assert "during serve_checkpoint" in g0.output()
         g0.start()
