@@ -713,6 +713,34 @@ def test_a_fresh_lighthouse_gives_up_on_an_unheard_reported_member_after_the_hea
 
 
 @pytest.mark.timeout(60)
+def test_a_fresh_lighthouse_waits_for_a_heartbeating_reported_member_past_the_heartbeat_timeout() -> None:
+    """Rule 10 waits for a reported member that heartbeats until it asks (its step is unknown here), also
+    once a heartbeat timeout has passed since the report: the lighthouse's periodic prune of the reports
+    used to drop them then, a still in its step became a straggler, and b and c got a quorum without it
+    at the join timeout, as in the fork ftl chaos found (c7, seed 7)."""
+    last = ("a", "b", "c")
+    with LighthouseServer(min_replicas=1, join_timeout_ms=300, quorum_tick_ms=50, heartbeat_timeout_ms=1_000,
+                          http_bind=None) as server, LighthouseClient(server.address()) as client:
+        streams = [client.start_heartbeat_stream(rid, interval=timedelta(milliseconds=50)) for rid in last]
+        try:
+            assert all(stream.wait_connected(10) for stream in streams)
+            threads, answers = ask_in_threads(client, [reporting(rid, 7, last, step=802) for rid in ("b", "c")])
+            wait_for(lambda: "waiting for a (quorum 7, heartbeating" in server.core.quorum_status(),
+                     what="the wait for a")
+            time.sleep(2.5)  # two and a half heartbeat timeouts past the report, many join timeouts
+            assert not answers, f"issued without a, which heartbeats and may hold a later step: {answers}"
+            assert "waiting for a (quorum 7, heartbeating" in server.core.quorum_status()
+            a = streams[0].quorum(reporting("a", 7, last, step=803), 10 * SECOND)
+            for thread in threads:
+                thread.join(15)
+        finally:
+            for stream in streams:
+                stream.stop()
+        assert a.quorum_id == 8 and a.replica_ids == ["a", "b", "c"]
+        assert all(isinstance(q, Quorum) and q.quorum_id == 8 for q in answers.values()) and len(answers) == 2, answers
+
+
+@pytest.mark.timeout(60)
 def test_the_stream_carries_the_last_quorum_report_only_to_a_lighthouse_that_did_not_answer_that_quorum() -> None:
     """Rule 10's report names every member of the last quorum (O(N) per member per round): on a heartbeat stream
     whose lighthouse answered that quorum it stays home; on a new stream (the lighthouse restarted, or another

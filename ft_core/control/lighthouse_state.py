@@ -28,6 +28,7 @@ from ft_core.control.quorum import (
     decide,
     healthy_replicas,
     prune_heartbeats,
+    reported_alive,
     reported_members,
 )
 from ft_core.control.types import Quorum, QuorumMember
@@ -208,12 +209,11 @@ class LighthouseCore:
         if not new:
             return
         self._reported.update(new)
-        unheard = sorted(rid for rid in new if rid != member.replica_id and rid not in self._heartbeats
-                         and rid not in self._waiting)
+        pending = sorted(rid for rid in new if rid != member.replica_id and rid not in self._waiting)
         logger.warning("replica %s reports quorum %d, which this lighthouse never issued (its latest is %d: it "
-                       "restarted or took over); waiting up to the heartbeat timeout (%d ms) for that quorum's "
-                       "members it has not heard from: %s", member.replica_id, member.last_quorum_id, self._quorum_id,
-                       self._rules.heartbeat_timeout_ms, unheard or "none",
+                       "restarted or took over); no quorum until that quorum's members ask for one, or stop "
+                       "heartbeating (one never heard from: heartbeat timeout %d ms): %s", member.replica_id,
+                       member.last_quorum_id, self._quorum_id, self._rules.heartbeat_timeout_ms, pending or "none",
                        extra={"replica_id": member.replica_id, "quorum_id": member.last_quorum_id,
                               "replica_ids": sorted(new), "event": "quorum_reported"})
 
@@ -443,9 +443,9 @@ class LighthouseCore:
                 del self._known[rid]
             for rid in prune_heartbeats(self._dead, now, PRUNE_AFTER_TIMEOUTS * timeout):
                 del self._dead[rid]
-            if self._reported:  # rule 10 ignores them past the heartbeat timeout
+            if self._reported:  # kept while rule 10 counts them: heartbeating, or within a timeout of the report
                 self._reported = {rid: known for rid, known in self._reported.items()
-                                  if now - known.learned_at < timeout}
+                                  if reported_alive(known, self._heartbeats.get(rid), now, timeout)}
             if self._waiting:
                 self._decide_locked(now)
 

@@ -323,10 +323,15 @@ def unheard_reported_members(state: LighthouseState, now: float, config: QuorumC
         if known.quorum_id <= state.quorum_id or rid in state.waiting:
             continue
         seen = state.heartbeats.get(rid)
-        heartbeating = seen is not None and now - seen < limit
-        if heartbeating or now - known.learned_at < limit:
-            unheard.append((rid, known, heartbeating))
+        if reported_alive(known, seen, now, limit):
+            unheard.append((rid, known, seen is not None and now - seen < limit))
     return sorted(unheard, key=lambda item: item[0])
+
+
+def reported_alive(known: Reported, last_heartbeat: float | None, now: float, limit: float) -> bool:
+    """Rule 10 still counts a reported member: while it heartbeats, or, never heard from, for one heartbeat
+    timeout (`limit`) after it was reported. The lighthouse keeps a report exactly as long as this holds."""
+    return (last_heartbeat is not None and now - last_heartbeat < limit) or now - known.learned_at < limit
 
 
 def unheard_reason(unheard: Sequence[tuple[str, Reported, bool]], now: float, config: QuorumConfig) -> str:
