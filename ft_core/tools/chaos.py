@@ -50,6 +50,7 @@ from ft_core.tools.chaos_checks import (
 )
 from ft_core.tools.chaos_matrix import (
     FAULT_KINDS,
+    HEAL_FAULT_SLOTS,
     HEAL_KINDS,
     NETWORK_KINDS,
     ChaosConfig,
@@ -268,7 +269,7 @@ class ChaosRun:
             recovering = [g for g in range(self.cfg.groups) if g not in self.up_groups()]
             # the provoking kill leaves the heal fault its own slot of the budget: a kill that took the last
             # one would end the faults phase, and with it this armed fault, before the heal it provoked
-            room = self.cfg.faults - len(self.faults) >= 2
+            room = self.cfg.faults - len(self.faults) >= HEAL_FAULT_SLOTS
             victim = self._victim() if room and not recovering and time.monotonic() >= self.next_fault_at else None
             if victim is not None:
                 self._kill(victim, "kill", "to provoke a heal")

@@ -15,12 +15,15 @@ HEAL_KINDS = ("kill_heal_source", "kill_heal_receiver")
 NETWORK_KINDS = ("host_cut", "partition", "lighthouse_cut")
 
 
+HEAL_FAULT_SLOTS = 2  # a heal fault may need a kill first, to provoke its heal: two slots of the fault budget
+
+
 def draw_kind(bag: list[str], slots_left: int) -> str:
     """Move the next fault kind to draw to the front of the round's `bag` and return it. A heal fault may
     need a kill first, to provoke the heal it waits for, and that kill takes a slot of the run's fault
     budget: with a single slot left, the first other kind in the bag goes first (a heal fault armed in
     the last slot could not provoke its heal and would be skipped)."""
-    if bag[0] in HEAL_KINDS and slots_left < 2:
+    if bag[0] in HEAL_KINDS and slots_left < HEAL_FAULT_SLOTS:
         other = next((kind for kind in bag if kind not in HEAL_KINDS), None)
         if other is not None:
             bag.remove(other)
