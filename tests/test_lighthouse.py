@@ -719,7 +719,7 @@ def test_a_fresh_lighthouse_waits_for_a_heartbeating_reported_member_past_the_he
     used to drop them then, a still in its step became a straggler, and b and c got a quorum without it
     at the join timeout, as in the fork ftl chaos found (c7, seed 7)."""
     last = ("a", "b", "c")
-    with LighthouseServer(min_replicas=1, join_timeout_ms=300, quorum_tick_ms=50, heartbeat_timeout_ms=1_000,
+    with LighthouseServer(min_replicas=1, join_timeout_ms=300, quorum_tick_ms=50, heartbeat_timeout_ms=2_000,
                           http_bind=None) as server, LighthouseClient(server.address()) as client:
         streams = [client.start_heartbeat_stream(rid, interval=timedelta(milliseconds=50)) for rid in last]
         try:
@@ -727,7 +727,7 @@ def test_a_fresh_lighthouse_waits_for_a_heartbeating_reported_member_past_the_he
             threads, answers = ask_in_threads(client, [reporting(rid, 7, last, step=802) for rid in ("b", "c")])
             wait_for(lambda: "waiting for a (quorum 7, heartbeating" in server.core.quorum_status(),
                      what="the wait for a")
-            time.sleep(2.5)  # two and a half heartbeat timeouts past the report, many join timeouts
+            time.sleep(5.0)  # two and a half heartbeat timeouts past the report, many join timeouts
             assert not answers, f"issued without a, which heartbeats and may hold a later step: {answers}"
             assert "waiting for a (quorum 7, heartbeating" in server.core.quorum_status()
             a = streams[0].quorum(reporting("a", 7, last, step=803), 10 * SECOND)
