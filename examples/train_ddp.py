@@ -128,12 +128,16 @@ class KillSwitch:
             self.step, self.point = int(step_s), point
         self.path = path
 
-    def check(self, where: str) -> None:
-        armed = self.point == where and self.manager.current_step() >= self.step
-        if not armed and self.path and os.path.exists(self.path):
+    def armed(self, where: str) -> bool:
+        if self.point == where and self.manager.current_step() >= self.step:
+            return True
+        if self.path and os.path.exists(self.path):
             with open(self.path) as f:
-                armed = f.read().strip() == where
-        if armed:
+                return f.read().strip() == where
+        return False
+
+    def check(self, where: str) -> None:
+        if self.armed(where):
             print(f"[fault injection] SIGKILL at step {self.manager.current_step()} during {where}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -162,8 +166,9 @@ def install_kill(switch: KillSwitch, manager: Manager, ddp: torch.nn.Module) -> 
 
     def send_then_check(dst_ranks: list[int], step: int, state_dict: object, timeout: object) -> None:
         send(dst_ranks, step, state_dict, timeout)
-        time.sleep(0.05)  # let the healing peer start fetching
-        switch.check("send_checkpoint")
+        if switch.armed("send_checkpoint"):  # only then: a source's vote waits for its staging (a benchmark's too)
+            time.sleep(0.05)  # let the healing peer start fetching
+            switch.check("send_checkpoint")
 
     transport.send_checkpoint = send_then_check
     acquire = getattr(transport, "acquire", None)  # the HTTP transport's server: a healer's request arrives
