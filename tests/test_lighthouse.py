@@ -353,6 +353,33 @@ def test_a_broken_streams_late_quorum_call_does_not_revive_it_until_a_new_stream
     assert sorted(woken) == ["a", "a", "b"]
 
 
+def test_a_waiting_shrink_only_call_is_answered_once_a_quorum_leaves_its_caller_out() -> None:
+    # b asks for a redo (shrink-only) while it is still in the previous quorum {a, b}, then its stream breaks:
+    # the quorum issued next is {a}. From then on no quorum can include b's call; the core answers it there
+    # and then, with the reason, instead of holding it (and keeping joiners out) until its deadline.
+    core = LighthouseCore(LighthouseConfig(min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=30_000))
+    streams = {rid: object() for rid in "ab"}
+    for rid, token in streams.items():
+        core.stream_opened(rid, token)
+    first = [Waiter(QuorumMember(rid), lambda: None) for rid in "ab"]
+    for waiter in first:
+        core.join(waiter)
+    assert first[1].issued is not None and first[1].issued.quorum.replica_ids == ["a", "b"]
+    for waiter in first:
+        core.leave(waiter)
+    woken: list[str] = []
+    redo = Waiter(QuorumMember("b", shrink_only=True), lambda: woken.append("b"))
+    core.join(redo)
+    assert redo.issued is None and redo.excluded is None, "b is in the previous quorum: its redo may be issued"
+    core.stream_closed("b", streams["b"], "broke (connection dropped)")
+    alone = Waiter(QuorumMember("a"), lambda: None)
+    core.join(alone)
+    assert alone.issued is not None and alone.issued.quorum.replica_ids == ["a"]
+    core.stream_opened("b", object())  # b is back (it was frozen): its redo can never be issued now
+    assert redo.issued is None and woken == ["b"]
+    assert redo.excluded is not None and "not a member of the last quorum" in redo.excluded, redo.excluded
+
+
 def test_fast_quorum_is_issued_at_the_last_join_after_a_quorum_that_left_a_live_member_out() -> None:
     # The core skips decide() on a join while a live member of the previous quorum has not joined
     # (rule 4 would wait for it). Once a quorum without that member is issued, it is no straggler of
@@ -908,3 +935,40 @@ def test_a_stall_of_the_member_s_own_loop_is_not_read_as_a_silent_lighthouse(
         assert "stopped answering" not in caplog.text
         assert stream._call is call and stream.connected, "the stream was reopened"
         assert stream.quorum(QuorumMember("a", address="127.0.0.1:1"), 10 * SECOND).replica_ids == ["a"]
+
+
+@pytest.mark.timeout(60)
+def test_a_shrink_only_call_from_outside_the_last_quorum_is_answered_at_once_on_both_wires() -> None:
+    """Rule 2 keeps a shrink-only quorum (a redo of a step) to the previous quorum's members. A group frozen in
+    its step's collective wakes up behind a quorum the others formed without it, and asks for a redo: no
+    quorum can include it. It used to wait out its whole quorum deadline (tests/test_push_failures.py's frozen
+    group once waited 59.8 s, then healed), keeping joiners out of the others' rounds meanwhile. Now it is
+    answered at once, over a unary call and over its heartbeat stream, with the reason, and no retry."""
+    with LighthouseServer(min_replicas=1, join_timeout_ms=60_000, quorum_tick_ms=50, heartbeat_timeout_ms=5_000,
+                          http_bind=None) as server, LighthouseClient(server.address()) as client:
+        first = client.quorum(QuorumMember("a", step=9), 10 * SECOND)
+        assert first.replica_ids == ["a"]
+        stream = client.start_heartbeat_stream("b", interval=timedelta(milliseconds=50))
+        answers: dict[str, object] = {}
+        try:
+            assert stream.wait_connected(10)
+            redo = QuorumMember("b", step=3, shrink_only=True)
+            with pytest.raises(RPCError) as unary:
+                client.quorum(redo, 60 * SECOND)
+            with pytest.raises(RPCError) as streamed:
+                stream.quorum(redo, 60 * SECOND)
+            for error in (unary.value, streamed.value):
+                assert error.code == "FAILED_PRECONDITION", error
+                assert f"not a member of the last quorum {first.quorum_id} (a)" in str(error), error
+            assert not (member_of(server.core.status(), "b") or {}).get("waiting"), "nothing of it is left waiting"
+            # Its next quorum, as any joiner's: it takes part (and heals from a).
+            rejoin = threading.Thread(target=lambda: answers.update(b=stream.quorum(QuorumMember("b", step=3),
+                                                                                    30 * SECOND)))
+            rejoin.start()
+            wait_for(lambda: (member_of(server.core.status(), "b") or {}).get("waiting"), what="b's next call")
+            answers["a"] = client.quorum(QuorumMember("a", step=10), 30 * SECOND)
+            rejoin.join(15)
+        finally:
+            stream.stop()
+        assert sorted(answers) == ["a", "b"], answers
+        assert all(isinstance(q, Quorum) and q.replica_ids == ["a", "b"] for q in answers.values()), answers

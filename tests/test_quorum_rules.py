@@ -47,6 +47,7 @@ class Case:
     expect_id: int | None = None
     first_seen: dict[str, float] | None = None  # replica_id -> seconds since it came alive (rule 8)
     reported: dict[str, tuple[int, float]] | None = None  # replica_id -> (reported quorum id, seconds since learned)
+    excluded: list[str] = field(default_factory=list)  # rule 2: shrink-only callers outside the last quorum, answered
     config: QuorumConfig = field(default_factory=lambda: QuorumConfig(min_replicas=1, join_timeout_ms=60_000,
                                                                       heartbeat_timeout_ms=5_000))
 
@@ -115,6 +116,18 @@ CASES = [
          config=QuorumConfig(3, 60_000, 5_000)),
     Case("shrink_only without a previous quorum keeps everyone", [(m("a", shrink_only=True), 0.5), (m("b"), 0.5)],
          alive("a", "b"), ["a", "b"], "Valid quorum found"),
+    Case("a shrink-only caller outside the last quorum is answered, not held", [(m("c", shrink_only=True), 0.5),
+                                                                              (m("a"), 0.5), (m("b"), 0.5)],
+         alive("a", "b", "c"), ["a", "b"], "Fast quorum", prev=quorum(4, "a", "b"), quorum_id=4, expect_id=4,
+         excluded=["c"]),
+    Case("its shrink_only keeps no joiner out of the others' round", [(m("c", shrink_only=True), 0.5), (m("a"), 0.5),
+                                                                      (m("d"), 0.5)],
+         alive("a", "c", "d"), ["a", "d"], "Fast quorum", prev=quorum(4, "a"), quorum_id=4, expect_id=5,
+         excluded=["c"]),
+    Case("a shrink-only caller outside the last quorum, alone, is answered", [(m("c", shrink_only=True), 0.5)],
+         alive("a", "c"), None, "answered: c", prev=quorum(4, "a"), quorum_id=4, excluded=["c"]),
+    Case("unhealthy, it is answered too", [(m("c", shrink_only=True), 0.5), (m("a"), 0.5)],
+         {"a": 0.1, "c": 9.0}, ["a"], "Fast quorum", prev=quorum(4, "a"), quorum_id=4, excluded=["c"]),
     # quorum_id
     Case("first quorum gets id 1", joined("a"), alive("a"), ["a"], "Valid", expect_id=1),
     Case("commit_failures force a new id", [(m("a", commit_failures=1), 0.5), (m("b"), 0.5)], alive("a", "b"),
@@ -241,6 +254,8 @@ def test_decide(case: Case) -> None:
     decision = decide(state, NOW, case.config)
     got = None if decision.participants is None else [p.replica_id for p in decision.participants]
     assert got == case.expect, decision.reason
+    assert sorted(decision.excluded) == case.excluded, decision.excluded
+    assert all(f"last quorum {case.prev.quorum_id} " in decision.excluded[rid] for rid in case.excluded)
     assert case.reason in decision.reason
     assert decision.reason.endswith("]"), "every reason carries the [healthy][heartbeating][shrink_only] tag"
     if case.expect is not None:

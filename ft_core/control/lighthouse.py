@@ -38,7 +38,7 @@ from ft_core.control.lighthouse_http import LighthouseMetrics, StatusHTTPServer
 from ft_core.control.lighthouse_peers import PeerWatch
 from ft_core.control.lighthouse_state import CLEAN_EXIT, LighthouseConfig, LighthouseCore, Waiter
 from ft_core.control.proto import ft_pb2
-from ft_core.control.quorum import member_problem, replica_id_problem
+from ft_core.control.quorum import EXCLUDED_CODE, member_problem, replica_id_problem
 from ft_core.control.rpc import SERVER_OPTIONS, TokenCheckingHandler, add_server_port
 from ft_core.control.types import QuorumMember
 from ft_core.net import dial_host, format_host_port, is_loopback, split_addresses, split_host_port
@@ -124,8 +124,10 @@ class _LighthouseService:
         try:
             if waiter.refusal is not None:  # the job finished ahead of this group (ft_core.control.job_end)
                 await context.abort(grpc.StatusCode.OUT_OF_RANGE, waiter.refusal)
-            if waiter.issued is None and waiter.redirect is None:
+            if waiter.issued is None and waiter.redirect is None and waiter.excluded is None:
                 await asyncio.wait((answered,), timeout=max(remaining, 0.0))
+            if waiter.issued is None and waiter.excluded is not None:  # shrink-only outside the last quorum
+                await context.abort(grpc.StatusCode[EXCLUDED_CODE], f"lighthouse Quorum: {waiter.excluded}")
             if waiter.issued is None and waiter.redirect is not None:  # standing by: go to the active lighthouse
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"lighthouse Quorum: {waiter.redirect}")
             if waiter.issued is None:
@@ -270,6 +272,8 @@ class _LighthouseService:
                 request_id=rid, error_code=grpc.StatusCode.OUT_OF_RANGE.name, error=waiter.refusal).SerializeToString())
         elif waiter.redirect is not None:  # standing by (ft_core.control.lighthouse_peers)
             poll.end(_poll_failure(rid, grpc.StatusCode.UNAVAILABLE, waiter.redirect))
+        elif waiter.excluded is not None:  # shrink-only outside the last quorum: no quorum can include it
+            poll.end(_poll_failure(rid, grpc.StatusCode[EXCLUDED_CODE], waiter.excluded))
         elif waiter.issued is not None:  # the last to join: issued at once
             poll.end(waiter.issued.stream_response(rid))
         elif self._core.closed:
@@ -333,6 +337,8 @@ class _StreamPoll:
             self.end(waiter.issued.stream_response(self._rid))
         elif waiter.redirect is not None:  # this lighthouse now stands by
             self.end(_poll_failure(self._rid, grpc.StatusCode.UNAVAILABLE, waiter.redirect))
+        elif waiter.excluded is not None:  # shrink-only outside the last quorum (rule 2)
+            self.end(_poll_failure(self._rid, grpc.StatusCode[EXCLUDED_CODE], waiter.excluded))
         else:
             self.end(_poll_failure(self._rid, *self._service._no_quorum(waiter.member.replica_id)))
 

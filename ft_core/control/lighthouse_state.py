@@ -27,6 +27,7 @@ from ft_core.control.quorum import (
     Reported,
     decide,
     healthy_replicas,
+    outside_last_quorum,
     prune_heartbeats,
     reported_alive,
     reported_members,
@@ -124,12 +125,13 @@ def _request_id_field(request_id: int) -> bytes:
 class Waiter:
     """One in-flight Quorum call; `wake` is called (under the core's lock) once it has an answer or must end."""
 
-    __slots__ = ("issued", "member", "redirect", "refusal", "wake")
+    __slots__ = ("excluded", "issued", "member", "redirect", "refusal", "wake")
 
     def __init__(self, member: QuorumMember, wake: Callable[[], None]) -> None:
         self.member = member
         self.issued: Issued | None = None
         self.refusal: str | None = None  # set instead of waiting: the job finished ahead of it (job_end)
+        self.excluded: str | None = None  # set instead of waiting: shrink-only outside the last quorum (rule 2)
         self.redirect: str | None = None  # set instead of waiting: this lighthouse stands by (lighthouse_peers)
         self.wake = wake
 
@@ -198,9 +200,11 @@ class LighthouseCore:
             self._known[rid] = member
             before = self._waiting.get(rid)
             joined_at = before.joined_at if before else now
-            self._add_waiting_locked(Joined(member, joined_at))
+            entry = Joined(member, joined_at)
+            self._add_waiting_locked(entry)
             self._waiters.setdefault(rid, []).append(waiter)
-            if not self._still_waiting_locked(now):
+            if not self._still_waiting_locked(now) or (member.shrink_only and outside_last_quorum({rid: entry},
+                                                                                                  self._prev)):
                 self._decide_locked(now)
 
     def _learn_reported_locked(self, member: QuorumMember, now: float) -> None:
@@ -506,6 +510,13 @@ class LighthouseCore:
                                "part once %s is gone (stop the old incarnation's processes if it should be)",
                                refused, older, older,
                                extra={"replica_id": refused, "older_replica_id": older, "event": "replica_refused"})
+        for rid, answer in decision.excluded.items():  # rule 2: no quorum can include it; answered now
+            self._waiting.pop(rid, None)
+            logger.warning("replica %s answered at once: %s", rid, answer,
+                           extra={"replica_id": rid, "event": "shrink_only_excluded"})
+            for waiter in self._waiters.pop(rid, ()):
+                waiter.excluded = answer
+                waiter.wake()
         if decision.participants is None:
             return
         quorum = Quorum(decision.quorum_id, decision.participants, created_unix_ms=int(time.time() * 1000))

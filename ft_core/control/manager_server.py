@@ -36,6 +36,7 @@ from ft_core.control.manager_rounds import CommitRound, QuorumRound, RankRequest
 from ft_core.control.manager_client import ManagerClient
 from ft_core.control.manager_server_config import ManagerServerConfig, resolve_config
 from ft_core.control.notices import NoticeHub
+from ft_core.control.quorum import EXCLUDED_CODE
 from ft_core.control.quorum_wait import QuorumWaitNotes
 from ft_core.errors import ConfigError, FTError, FTTimeoutError, JobFinishedError, QuorumError, RPCError
 from ft_core.control.recovery import QuorumResult, compute_recovery_plan
@@ -452,6 +453,8 @@ class ManagerServer:
             except JobFinishedError:
                 raise  # the job finished ahead of this group: no retry changes that
             except FTError as exc:
+                if isinstance(exc, RPCError) and exc.code == EXCLUDED_CODE:
+                    raise  # a shrink-only call from outside the last quorum (rule 2): no retry changes that either
                 last = exc
                 logger.warning("lighthouse quorum attempt %d/%d for replica group %s failed: %s", attempt,
                                attempts, self.replica_id, exc)

@@ -76,6 +76,7 @@ class Decision:
     quorum_id: int  # the id the quorum gets if issued; the current id otherwise
     fast: bool = False
     refused: Mapping[str, str] = field(default_factory=dict)  # rule 8: refused replica id -> the live one it yields to
+    excluded: Mapping[str, str] = field(default_factory=dict)  # rule 2: shrink-only caller outside it -> the answer
 
 
 def healthy_replicas(heartbeats: Mapping[str, float], now: float, config: QuorumConfig) -> set[str]:
@@ -197,6 +198,23 @@ def next_quorum_id(prev_quorum: Quorum | None, quorum_id: int, participants: Ite
     return max(quorum_id, highest_seen) + 1 if bump else quorum_id
 
 
+EXCLUDED_CODE = "FAILED_PRECONDITION"  # the status a shrink-only caller outside the last quorum is answered with
+
+
+def outside_last_quorum(waiting: Mapping[str, Joined], prev: Quorum | None) -> dict[str, str]:
+    """Rule 2's dead end: the waiting replicas that ask for a shrink-only quorum (a redo of their step) but are
+    not members of the previous quorum, each with the answer it gets at once. Shrink-only keeps to the previous
+    members and such a caller asks for nothing else, so no quorum can include it: left waiting, it would wait
+    out its whole deadline, and its shrink_only would keep every joiner out of the others' rounds meanwhile."""
+    if prev is None:
+        return {}
+    members = set(prev.replica_ids)
+    return {rid: (f"{rid} asked for a shrink-only quorum (a redo of its step), but it is not a member of the last "
+                  f"quorum {prev.quorum_id} ({', '.join(sorted(members))}), which the others have trained on "
+                  f"without it; its step fails now and it rejoins with its next quorum")
+            for rid, j in waiting.items() if j.member.shrink_only and rid not in members}
+
+
 def decide(state: LighthouseState, now: float, config: QuorumConfig) -> Decision:
     """Rules 1-10: whether a quorum can be issued now, with whom, and the reason either way."""
     healthy = healthy_replicas(state.heartbeats, now, config)
@@ -204,7 +222,8 @@ def decide(state: LighthouseState, now: float, config: QuorumConfig) -> Decision
         if state.first_seen else {}
     if refused:  # rule 8: a second live incarnation of a group neither counts nor takes part
         healthy -= refused.keys()
-    joined = {rid: j for rid, j in state.waiting.items() if rid in healthy}
+    excluded = outside_last_quorum(state.waiting, state.prev_quorum)  # rule 2: answered now, never issued
+    joined = {rid: j for rid, j in state.waiting.items() if rid in healthy and rid not in excluded}
     candidates = [joined[rid].member for rid in sorted(joined)]
     shrink_only = any(m.shrink_only for m in candidates)
     tag = (f"[{len(joined)}/{len(state.waiting)} participants healthy][{len(healthy)} heartbeating]"
@@ -214,12 +233,15 @@ def decide(state: LighthouseState, now: float, config: QuorumConfig) -> Decision
         tag += "[refused: " + ", ".join(f"{rid} (replica group already has live {refused[rid]})"
                                         for rid in refused_waiting) + "]"
 
+    if excluded:
+        tag += "[shrink-only outside the last quorum, answered: " + ", ".join(sorted(excluded)) + "]"
+
     def wait(why: str) -> Decision:
-        return Decision(None, f"{why} {tag}", state.quorum_id, refused=refused)
+        return Decision(None, f"{why} {tag}", state.quorum_id, refused=refused, excluded=excluded)
 
     def issue(members: list[QuorumMember], why: str, fast: bool = False) -> Decision:
         qid = next_quorum_id(state.prev_quorum, state.quorum_id, members)
-        return Decision(tuple(members), f"{why} {tag}", qid, fast, refused=refused)
+        return Decision(tuple(members), f"{why} {tag}", qid, fast, refused=refused, excluded=excluded)
 
     if not state.waiting:
         return wait("No replica is waiting for a quorum.")
