@@ -353,20 +353,27 @@ def test_a_broken_streams_late_quorum_call_does_not_revive_it_until_a_new_stream
     assert sorted(woken) == ["a", "a", "b"]
 
 
+def core_after_a_quorum_of(rids: str) -> tuple[LighthouseCore, dict[str, object]]:
+    """A real core whose members (one letter each) hold heartbeat streams (the tokens, returned) and were
+    issued one quorum together, their calls since ended."""
+    core = LighthouseCore(LighthouseConfig(min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=30_000))
+    streams = {rid: object() for rid in rids}
+    for rid, token in streams.items():
+        core.stream_opened(rid, token)
+    first = [Waiter(QuorumMember(rid), lambda: None) for rid in rids]
+    for waiter in first:
+        core.join(waiter)
+    assert first[0].issued is not None and first[0].issued.quorum.replica_ids == sorted(rids)
+    for waiter in first:
+        core.leave(waiter)
+    return core, streams
+
+
 def test_a_waiting_shrink_only_call_is_answered_once_a_quorum_leaves_its_caller_out() -> None:
     # b asks for a redo (shrink-only) while it is still in the previous quorum {a, b}, then its stream breaks:
     # the quorum issued next is {a}. From then on no quorum can include b's call; the core answers it there
     # and then, with the reason, instead of holding it (and keeping joiners out) until its deadline.
-    core = LighthouseCore(LighthouseConfig(min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=30_000))
-    streams = {rid: object() for rid in "ab"}
-    for rid, token in streams.items():
-        core.stream_opened(rid, token)
-    first = [Waiter(QuorumMember(rid), lambda: None) for rid in "ab"]
-    for waiter in first:
-        core.join(waiter)
-    assert first[1].issued is not None and first[1].issued.quorum.replica_ids == ["a", "b"]
-    for waiter in first:
-        core.leave(waiter)
+    core, streams = core_after_a_quorum_of("ab")
     woken: list[str] = []
     redo = Waiter(QuorumMember("b", shrink_only=True), lambda: woken.append("b"))
     core.join(redo)
@@ -384,16 +391,7 @@ def test_fast_quorum_is_issued_at_the_last_join_after_a_quorum_that_left_a_live_
     # The core skips decide() on a join while a live member of the previous quorum has not joined
     # (rule 4 would wait for it). Once a quorum without that member is issued, it is no straggler of
     # the new one: the next round's last join must issue the fast quorum itself, not leave it to a tick.
-    core = LighthouseCore(LighthouseConfig(min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=30_000))
-    streams = {rid: object() for rid in "abc"}
-    for rid, token in streams.items():
-        core.stream_opened(rid, token)
-    first = [Waiter(QuorumMember(rid), lambda: None) for rid in "abc"]
-    for waiter in first:
-        core.join(waiter)
-    assert first[0].issued is not None and first[0].issued.quorum.replica_ids == ["a", "b", "c"]
-    for waiter in first:
-        core.leave(waiter)
+    core, streams = core_after_a_quorum_of("abc")
     second = [Waiter(QuorumMember(rid), lambda: None) for rid in "ab"]
     for waiter in second:
         core.join(waiter)
