@@ -206,13 +206,14 @@ def outside_last_quorum(waiting: Mapping[str, Joined], prev: Quorum | None) -> d
     not members of the previous quorum, each with the answer it gets at once. Shrink-only keeps to the previous
     members and such a caller asks for nothing else, so no quorum can include it: left waiting, it would wait
     out its whole deadline, and its shrink_only would keep every joiner out of the others' rounds meanwhile."""
-    if prev is None:
+    asking = [rid for rid, j in waiting.items() if j.member.shrink_only] if prev is not None else []
+    if not asking:  # the steady state: nothing more to do per decision
         return {}
     members = set(prev.replica_ids)
     return {rid: (f"{rid} asked for a shrink-only quorum (a redo of its step), but it is not a member of the last "
                   f"quorum {prev.quorum_id} ({', '.join(sorted(members))}), which the others have trained on "
                   f"without it; its step fails now and it rejoins with its next quorum")
-            for rid, j in waiting.items() if j.member.shrink_only and rid not in members}
+            for rid in asking if rid not in members}
 
 
 def decide(state: LighthouseState, now: float, config: QuorumConfig) -> Decision:
