@@ -28,7 +28,6 @@ from ft_core.control.quorum import (
     Reported,
     decide,
     healthy_replicas,
-    outside_last_quorum,
     prune_heartbeats,
     reported_alive,
     reported_members,
@@ -141,11 +140,9 @@ class LighthouseCore:
             self._known[rid] = member
             before = self._waiting.get(rid)
             joined_at = before.joined_at if before else now
-            entry = Joined(member, joined_at)
-            self._add_waiting_locked(entry)
+            self._add_waiting_locked(Joined(member, joined_at))
             self._waiters.setdefault(rid, []).append(waiter)
-            if not self._still_waiting_locked(now) or (member.shrink_only and outside_last_quorum({rid: entry},
-                                                                                                  self._prev)):
+            if member.shrink_only or not self._still_waiting_locked(now):  # a redo (rare) may be answered now
                 self._decide_locked(now)
 
     def _learn_reported_locked(self, member: QuorumMember, now: float) -> None:
