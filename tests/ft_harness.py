@@ -196,6 +196,7 @@ def check_step_digests(groups: list[Group], ranks: int = 1) -> dict[int, str]:
             for inc, rows in enumerate(g.all_commits(rank), start=1):
                 for row in rows:
                     who = f"group {g.group_id} rank {rank} incarnation {inc}"
+                    assert "digest" in row, f"{who} logs no digests (it ran with --no-step-digest)"
                     seen = by_step.setdefault(row["step"], (row["digest"], who))
                     assert seen[0] == row["digest"], (f"step {row['step']} differs: {seen[1]} has {seen[0][:12]}, "
                                                       f"{who} has {row['digest'][:12]}")
