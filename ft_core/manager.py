@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from ft_core import freeze_startup_objects
 from ft_core import futures as ft_futures
 from ft_core import metrics
 from ft_core import net
@@ -40,6 +41,8 @@ from ft_core.manager_wiring import wire_group
 from ft_core.manager_config import ManagerConfig, WorldSizeMode, resolve_config
 from ft_core.control.recovery import QuorumResult
 from ft_core.step_rules import participation
+
+freeze_startup_objects()  # torch and the rest of ft_core are imported now (ft_core/__init__.py)
 
 __all__ = ["Manager", "ManagerConfig", "WorldSizeMode", "participation", "resolve_config"]
 

@@ -103,7 +103,7 @@ def test_docs_settings_table_is_generated_from_the_table():
     assert start in text and end in text
     documented = text.split(start, 1)[1].split(end, 1)[0]
     assert documented == settings.markdown_table(), \
-        "docs/settings.md is stale: regenerate it with `python -m ft_core.settings --markdown`"
+        "docs/settings.md is stale: regenerate it with `ftl settings --markdown`"
     assert "docs/settings.md" in (ROOT / "README.md").read_text(encoding="utf-8")
     for s in settings.SETTINGS:
         assert f"`{s.env}`" in documented

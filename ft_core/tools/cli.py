@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("ft_lightning.demo", "the whole story on one machine: train, kill, heal, report"),
     "accelerate": ("ft_lightning.accelerate.cli", "`ftl accelerate config|launch` for Hugging Face Accelerate"),
     "chaos": ("ft_core.tools.chaos", "seeded random fault schedules against a real training job"),
+    "settings": ("ft_core.settings", "the settings (environment variables) and their values here; --markdown: the table"),
 }
 
 # Commands whose Ctrl-C handler is installed before their module is imported and handed to `main(argv, stop=...)`:
