@@ -38,9 +38,9 @@ REPO_ROOT = _harness.REPO_ROOT
 sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))
 
 MODEL_ARGS = ["--in-features", "1024", "--hidden", "2048", "768", "--batch-size", "32", "--lr", "1e-4"]
-# What the groups run with. The step log's per-commit digest (a sha256 of all 44 MB of state, ~25 ms of a ~95 ms
-# step here) is the tests' check, not the library's work, and torchft's worker has none: the groups leave it out,
-# and each run checks instead that every group ends at the same step with the same digest (_same_end_state).
+# What the groups run with. The step log's per-commit digest (a sha256 of all 44 MB of state, ~25 ms per step here)
+# is the tests' check, not the library's work, and torchft's worker has none: the groups leave it out, and each
+# run checks instead that every group ends at the same step with the same digest (_same_end_state).
 GROUP_ARGS = ["--steps", "1000000", "--timeout", "10", "--no-step-digest", *MODEL_ARGS]
 
 
