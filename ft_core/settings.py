@@ -142,7 +142,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gc_freeze", "FT_GC_FREEZE", parse_bool, True, "boolean",
             "when ft_core and its Manager are imported, move the objects that exist (torch's and the imports': "
             "~170,000) out of Python's cyclic garbage collector (gc.freeze), so the full collections "
-            "of a starting worker do not scan them again (~0.4 s of a restart on 2 busy cores); such objects that "
+            "of a starting worker do not scan them again (~0.25 s of a 2 s start on 2 idle cores); such objects that "
             "later become garbage only through reference cycles stay allocated (0: off)"),
     Setting("cross_group_backend", "FT_BACKEND", parse_choice(BACKENDS), "auto", "|".join(BACKENDS),
             "cross-group process group: gloo (CPU), nccl (CUDA), auto (nccl on CUDA, else gloo)"),
