@@ -9,17 +9,27 @@ check identical state, healing and the survivors' commit gaps.
 from __future__ import annotations
 
 import glob
+import importlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO_ROOT, "examples", "train_ddp.py")
+
+
+def repo_module(name: str) -> types.ModuleType:
+    """A module of this repository outside the installed packages (examples.train_ddp, benchmarks.heal), whatever
+    the working directory: pytest puts only tests/ on sys.path, and the children get REPO_ROOT in PYTHONPATH."""
+    if REPO_ROOT not in sys.path:
+        sys.path.insert(0, REPO_ROOT)
+    return importlib.import_module(name)
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:

@@ -11,17 +11,17 @@ import types
 
 import pytest
 import torch
-from ft_harness import Group, check_step_digests, read_jsonl, stop_all, wait_until
-from test_kill_switch import _example
+from ft_harness import Group, check_step_digests, read_jsonl, repo_module, stop_all, wait_until
 
-from benchmarks.heal import _gap_phases, _same_end_state
 from ft_core.control.lighthouse import LighthouseServer
+
+heal = repo_module("benchmarks.heal")
 
 
 @pytest.mark.timeout(60)
 def test_the_digest_hashes_every_tensor_in_place_bit_for_bit():
     """state_digest feeds each tensor's own buffer to sha256 (no copy per step): the same bytes as a copy."""
-    example = _example()
+    example = repo_module("examples.train_ddp")
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -61,14 +61,14 @@ def test_groups_without_step_digests_still_end_in_one_checked_state(processes, t
     rows = [r for g in groups for r in g.commits()]
     assert rows and all("digest" not in r and r["time"] > 0 for r in rows)
     assert all(r.get("event") == "ready" for g in groups for r in read_jsonl(g.path("steps.jsonl", rank="0"))[:1])
-    _same_end_state(groups, step)  # both stopped at `step`, bit for bit the same
+    heal._same_end_state(groups, step)  # both stopped at `step`, bit for bit the same
     with pytest.raises(AssertionError, match="--no-step-digest"):
         check_step_digests(groups)
     with pytest.raises(RuntimeError, match=f"did not end at step {step + 1}"):
-        _same_end_state(groups, step + 1)
+        heal._same_end_state(groups, step + 1)
     differing = types.SimpleNamespace(group_id=9, digests=lambda: [{"rank": 0, "step": step, "digest": "0" * 64}])
     with pytest.raises(RuntimeError, match="with one state"):
-        _same_end_state([*groups, differing], step)
+        heal._same_end_state([*groups, differing], step)
 
 
 @pytest.mark.timeout(30)
@@ -77,7 +77,7 @@ def test_the_survivors_median_step_is_read_from_their_commits_before_the_kill(be
     """The benchmark's scale line: the survivors' median step over (up to) their last ten steps before the kill,
     however few they had committed (it read 0 s with fewer than eleven: each time paired with itself)."""
     commits = [{"time": 100.0 + 0.1 * i} for i in range(before)] + [{"time": 200.0}, {"time": 200.1}]
-    phases = _gap_phases([commits], killed_at=150.0, ready_at=199.0)
+    phases = heal._gap_phases([commits], killed_at=150.0, ready_at=199.0)
     assert phases["survivor_step_s"] == pytest.approx(0.1)
     assert phases["survivor_gap_kill_s"] == pytest.approx(0.0)  # nothing committed between the kill and ready
     assert phases["survivor_gap_rejoin_s"] == pytest.approx(200.0 - (100.0 + 0.1 * (before - 1)))

@@ -6,24 +6,18 @@ lengthened the survivors' gap that benchmarks/heal.py reports (every group there
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import types
 from datetime import timedelta
 
 import pytest
 import torch
+from ft_harness import repo_module
 
 from ft_core.checkpointing import HTTPTransport
 
-EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "train_ddp.py")
-
 
 def _example() -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location("train_ddp_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return repo_module("examples.train_ddp")
 
 
 class _Step:

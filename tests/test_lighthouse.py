@@ -24,7 +24,8 @@ from ft_core.tools import status as status_cli
 from ft_core.errors import AuthError, FTTimeoutError, RPCError
 from ft_core.control.lighthouse import LighthouseServer
 from ft_core.control.lighthouse_client import LighthouseClient, StreamUnavailable
-from ft_core.control.lighthouse_state import LighthouseConfig, LighthouseCore, Waiter
+from ft_core.control.lighthouse_calls import Waiter
+from ft_core.control.lighthouse_state import LighthouseConfig, LighthouseCore
 from ft_core.control.types import Quorum, QuorumMember
 from ft_core.tools.launcher import free_port
 

@@ -36,7 +36,8 @@ from ft_core.errors import ConfigError
 from ft_core.control import frames
 from ft_core.control.lighthouse_http import LighthouseMetrics, StatusHTTPServer
 from ft_core.control.lighthouse_peers import PeerWatch
-from ft_core.control.lighthouse_state import CLEAN_EXIT, LighthouseConfig, LighthouseCore, Waiter
+from ft_core.control.lighthouse_calls import Waiter
+from ft_core.control.lighthouse_state import CLEAN_EXIT, LighthouseConfig, LighthouseCore
 from ft_core.control.proto import ft_pb2
 from ft_core.control.quorum import EXCLUDED_CODE, member_problem, replica_id_problem
 from ft_core.control.rpc import SERVER_OPTIONS, TokenCheckingHandler, add_server_port
