@@ -75,7 +75,7 @@ class _ThreadCPU:
                                    for k, v in sorted(after.items(), key=lambda kv: -kv[1])}
 
 
-def _train(model, optimizer, args, phases: dict[str, list[float]] | None = None) -> list[float]:
+def _train(model, optimizer, args, phases: dict[str, list[float]] | None = None, backward=None) -> list[float]:
     """The timed loop; `phases` (when given) gets each timed step's wall time per phase and the
     process CPU time of the step ("cpu": every thread of this process, ours and torch's), and
     _EXTRA["thread_cpu_ms"] the CPU per timed step of each kind of thread (10 ms clock ticks)."""
@@ -91,7 +91,10 @@ def _train(model, optimizer, args, phases: dict[str, list[float]] | None = None)
         t1 = time.perf_counter()
         loss = F.cross_entropy(model(x), y)
         t2 = time.perf_counter()
-        loss.backward()
+        if backward is None:
+            loss.backward()
+        else:
+            backward(loss)
         t3 = time.perf_counter()
         optimizer.step()
         end = time.perf_counter()
@@ -133,7 +136,8 @@ def run_ft(args) -> list[float]:
     try:
         model = DistributedDataParallel(manager, _models.build(args.model))
         optimizer = OptimizerWrapper(manager, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
-        times = _train(model, optimizer, args, _PHASE_TIMES)
+        # the core API's backward divides by the loss (ft_core.ddp.backward_scale); ft_plain: loss.backward()
+        times = _train(model, optimizer, args, _PHASE_TIMES, None if args.mode == "ft_plain" else model.backward)
         _EXTRA["bucket_copies"] = model._ft_hook_state.reducer.copies  # DDP buckets that missed the no-copy path
         return times
     finally:
@@ -295,7 +299,7 @@ def _run_accelerate(args, ft: bool) -> list[float]:
     return times
 
 
-MODES = {"ddp": run_ddp, "ft": run_ft, "torchft": run_torchft,
+MODES = {"ddp": run_ddp, "ft": run_ft, "ft_plain": run_ft, "torchft": run_torchft,
          "lightning_ddp": lambda args: _run_lightning(args, ft=False),
          "lightning_ft": lambda args: _run_lightning(args, ft=True),
          "accelerate_ddp": lambda args: _run_accelerate(args, ft=False),

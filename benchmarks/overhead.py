@@ -1,4 +1,5 @@
-"""Healthy-path overhead: step time of 2 replica groups x 1 process through ft_core's core API, our
+"""Healthy-path overhead: step time of 2 replica groups x 1 process through ft_core's core API (its
+`model.backward(loss)`, and as `ft_plain` a plain `loss.backward()`), our
 Lightning strategy and our Accelerate plugin (and torchft where installed), each against its plain
 baseline with 2 processes on Gloo (torch DDP, Lightning `strategy="ddp"`, Accelerate multi-CPU DDP).
 Modes alternate within one run; medians and ratios are reported.
@@ -17,10 +18,12 @@ import time
 from benchmarks import _harness, _models
 
 # ours (or torchft's) mode -> the plain baseline it is compared with
-BASELINE = {"ft": "ddp", "torchft": "ddp", "lightning_ft": "lightning_ddp", "accelerate_ft": "accelerate_ddp"}
-LABELS = {"ddp": "torch DDP", "ft": "ours, core API", "torchft": "torchft", "lightning_ddp": "Lightning DDP",
+BASELINE = {"ft": "ddp", "ft_plain": "ddp", "torchft": "ddp", "lightning_ft": "lightning_ddp",
+            "accelerate_ft": "accelerate_ddp"}
+LABELS = {"ddp": "torch DDP", "ft": "ours, core API", "ft_plain": "ours, core API, loss.backward()", "torchft": "torchft",
+          "lightning_ddp": "Lightning DDP",
           "lightning_ft": "ours, Lightning", "accelerate_ddp": "Accelerate DDP", "accelerate_ft": "ours, Accelerate"}
-ALL_MODES = ("ddp", "ft", "torchft", "lightning_ddp", "lightning_ft", "accelerate_ddp", "accelerate_ft")
+ALL_MODES = ("ddp", "ft", "ft_plain", "torchft", "lightning_ddp", "lightning_ft", "accelerate_ddp", "accelerate_ft")
 TARGET_RATIO = {"mlp3.7m": 1.05, "mlp25m": 1.02}  # issue 15: each against its own plain baseline
 REFERENCE = "torchft 1.45x plain DDP (107.8 vs 74.1 ms, 3.68M-param MLP, batch 32), as measured for the issue"
 
@@ -38,7 +41,7 @@ def _run_mode(mode: str, model: str, steps: int, warmup: int, tmp: str) -> tuple
         if mode in ("ddp", "lightning_ddp", "accelerate_ddp"):
             port = _harness.free_port()
             extra = [["--master-port", str(port)]] * 2
-        elif mode in ("ft", "lightning_ft", "accelerate_ft"):
+        elif mode in ("ft", "ft_plain", "lightning_ft", "accelerate_ft"):
             from ft_core.control.lighthouse import LighthouseServer
 
             lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=10_000)

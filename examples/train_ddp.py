@@ -150,8 +150,8 @@ def install_kill(switch: KillSwitch, manager: Manager, ddp: torch.nn.Module) -> 
     ddp.register_forward_pre_hook(lambda *_: switch.check("forward"))
     issue = manager._allreduce_future
 
-    def issue_then_check(tensor: torch.Tensor, op: object = dist.ReduceOp.AVG) -> torch.futures.Future:
-        fut = issue(tensor, op)
+    def issue_then_check(tensor: torch.Tensor, op: object = dist.ReduceOp.AVG, **kw: object) -> torch.futures.Future:
+        fut = issue(tensor, op, **kw)
         switch.check("allreduce")
         return fut
 
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             optimizer.zero_grad()
             loss = F.cross_entropy(ddp(x), y)
-            loss.backward()
+            ddp.backward(loss)  # loss.backward() works too; this divides by the loss (one pass less)
             optimizer.step()
             if optimizer.committed and step_log:
                 row = {"event": "commit", "step": manager.current_step(), "time": time.time(),

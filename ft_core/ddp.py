@@ -14,13 +14,28 @@ chunk order. When a DDP bucket coincides with a chunk (the usual steady state, a
 buckets follow the same rule) the bucket buffer is reduced in place with no copy; otherwise the
 gradients are copied into the chunk and back. Any DDP setting works, including torch DDP models
 built by Lightning or Accelerate (`register_comm_hook`).
+
+The average's division. Gloo has no AVG: the hook's reductions sum shares that every group divides
+before sending (Manager.allreduce's `divided_by`), so the sum is the average; every group does so
+whatever its loop calls, so all groups agree. A plain `loss.backward()` divides each chunk in one pass
+before it is sent (torch DDP without a comm hook fuses that pass into its copy into the bucket; with a
+hook it cannot). A backward run under `backward_scale` (our DistributedDataParallel.backward, and the
+Lightning, Fabric and Accelerate integrations' backward) multiplies the loss by 1 / (groups x group
+ranks) instead: backpropagation is linear in the loss, so its gradients arrive already divided, and the
+pass is saved. A redo with fewer groups rescales the sum by old / new (ft_core.redo). A Manager whose
+`allreduce` is wrapped without `divided_by` (torchft-style code) gets plain AVG calls, divided after the
+sum, as before.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -33,9 +48,24 @@ from ft_core.process_groups import ProcessGroupDummy
 if TYPE_CHECKING:
     from ft_core.manager import Manager
 
-__all__ = ["DistributedDataParallel", "register_comm_hook", "canonical_chunks"]
+__all__ = ["DistributedDataParallel", "backward_scale", "register_comm_hook", "canonical_chunks"]
 
 logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=64)
+def _takes_divided_by(function: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
+    return "divided_by" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def divides_shares(manager: "Manager") -> bool:
+    """Whether `manager.allreduce` takes `divided_by` (a wrapper written for torchft's signature does not)."""
+    allreduce = manager.allreduce
+    return _takes_divided_by(getattr(allreduce, "__func__", allreduce))
 
 
 def reducer_parameters(module: torch.nn.Module, ignore: set[str] | frozenset[str] = frozenset()) -> list[torch.Tensor]:
@@ -66,7 +96,7 @@ def canonical_chunks(params: list[torch.Tensor], first_cap_bytes: int, cap_bytes
 
 class _Chunk:
     __slots__ = ("params", "offsets", "numel", "buffer", "filled", "launched", "fast", "waiters", "delivered",
-                 "finished")
+                 "finished", "divided")
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.params = params
@@ -83,6 +113,7 @@ class _Chunk:
         self.waiters: list[tuple["_BucketState", list[tuple[torch.Tensor, int, int]]]] = []
         self.delivered: list[tuple[torch.Tensor, int, int]] = []  # bucket views filled from it this step
         self.finished = False  # its reduction was delivered this step
+        self.divided = 1.0  # the factor its input was multiplied by before sending, this step (1.0: none)
 
 
 class _BucketState:
@@ -114,8 +145,10 @@ class _BucketState:
 class _CanonicalReducer:
     """Cross-group allreduce of gradients in a layout every group derives identically."""
 
-    def __init__(self, manager: "Manager", params: list[torch.Tensor], first_cap_bytes: int, cap_bytes: int) -> None:
+    def __init__(self, manager: "Manager", params: list[torch.Tensor], first_cap_bytes: int, cap_bytes: int,
+                 intra_size: int = 1) -> None:
         self._manager = manager
+        self._intra_size = intra_size
         self._lock = threading.Lock()
         self._chunks = [_Chunk([params[i] for i in chunk]) for chunk in canonical_chunks(params, first_cap_bytes,
                                                                                           cap_bytes)]
@@ -125,10 +158,16 @@ class _CanonicalReducer:
         # the parameters' .grad hold this rank's own gradients until DDP's finalize (no bucket views, no
         # intra-group average): a failed reduction's input can be rebuilt from them (ft_core.redo)
         self.restorable = False
+        self.divided_by: int | None = None  # this backward's gradients arrive divided by it (backward_scale)
+        self._shares = True  # this step's reductions send divided shares (the Manager's allreduce takes divided_by)
 
-    def reset(self) -> None:
+    def reset(self, divided_by: int | None = None) -> None:
+        shares = divides_shares(self._manager)
         with self._lock:
+            self.divided_by = divided_by
+            self._shares = shares
             for chunk in self._chunks:
+                chunk.divided = 1.0
                 chunk.filled = 0
                 chunk.launched = False
                 chunk.fast = None
@@ -186,9 +225,19 @@ class _CanonicalReducer:
     def _launch(self, chunk: _Chunk) -> None:
         tensor = chunk.fast if chunk.fast is not None else chunk.buffer
         assert tensor is not None
+        divided = self.divided_by
+        if divided is None:  # a plain backward: this group's share is divided here, in one pass, before it is sent
+            if self._shares:
+                divided = self._participants()
+                chunk.divided = 1.0 / (divided * self._intra_size) if divided else 1.0
+            else:  # AVG divides by the groups after the sum
+                chunk.divided = 1.0 / self._intra_size
+            if chunk.divided != 1.0:
+                tensor.mul_(chunk.divided)  # by the reciprocal, as DDP scales (cheaper than a division)
         # the public call, so a wrapped or overridden Manager.allreduce is honoured; a ManagedWork's own
         # future completes eagerly (its get_future() defers continuations to wait())
-        work = self._manager.allreduce(tensor, ReduceOp.AVG)
+        work = self._manager.allreduce(tensor, ReduceOp.AVG, divided_by=divided) if divided else \
+            self._manager.allreduce(tensor, ReduceOp.AVG)
         fut = getattr(work, "_fut", None) or work.get_future()
         fut.add_done_callback(lambda _f, chunk=chunk: self._finish(chunk))
         on_redo = getattr(self._manager, "on_redo", None)  # a redone step rewrites the gradients (ft_core.redo)
@@ -197,10 +246,17 @@ class _CanonicalReducer:
                     (lambda chunk=chunk, tensor=tensor: self._restore_input(chunk, tensor)) if self.restorable
                     else None)
 
+    def _participants(self) -> int:
+        """This step's number of participating groups (0 if its quorum failed: the step fails anyway)."""
+        try:
+            return self._manager.num_participants()
+        except Exception:  # noqa: BLE001 (the quorum's error, recorded and raised by the step as always)
+            return 0
+
     def _restore_input(self, chunk: _Chunk, tensor: torch.Tensor) -> bool:
-        """Refill `tensor` with the chunk's local gradients, to reduce it again (ft_core.redo). Only while the
-        chunk is not delivered: DDP's finalize copies a bucket's results into .grad once its future is done,
-        so until then .grad holds this rank's own gradients."""
+        """Refill `tensor` with the chunk's local gradients (divided as when first sent), to reduce it again
+        (ft_core.redo). Only while the chunk is not delivered: DDP's finalize copies a bucket's results into
+        .grad once its future is done, so until then .grad holds this rank's own gradients."""
         with self._lock:
             if chunk.finished:
                 return False
@@ -208,7 +264,7 @@ class _CanonicalReducer:
             if p.grad is None:
                 return False
             offset = chunk.offsets[id(p)]
-            tensor[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+            torch.mul(p.grad.reshape(-1), chunk.divided, out=tensor[offset:offset + p.numel()])
         return True
 
     def _rewrite_grads(self, chunk: _Chunk, tensor: torch.Tensor) -> None:
@@ -251,12 +307,46 @@ class _HookState:
         self.reducer = reducer
         self.intra_group_pg = intra_group_pg
         self.intra_size = dist.get_world_size(intra_group_pg) if intra_group_pg is not None else 1
+        self.divided_by: int | None = None  # set by backward_scale for the backward it wraps
+
+
+_HOOKS: "weakref.WeakKeyDictionary[Manager, weakref.WeakSet[_HookState]]" = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def backward_scale(manager: "Manager") -> Iterator[float]:
+    """Multiply the loss by the value yielded and run backward inside: the gradients of `manager`'s
+    fault-tolerant DDP models then arrive divided for the average, and the step skips the separate
+    division pass (see the module's docstring). Waits for this step's quorum, as the first reduction
+    would. Yields 1.0 (and changes nothing) when no such model is registered, the quorum failed (the
+    step will not commit), the models' groups differ in size or `manager.allreduce` is wrapped without
+    `divided_by`. Every backward of one step must run inside it, or none: gradients accumulated under
+    no_sync from a plain backward would not be divided."""
+    states = list(_HOOKS.get(manager, ()))
+    sizes = {state.intra_size for state in states}
+    n = 0
+    if len(sizes) == 1 and divides_shares(manager):
+        try:
+            n = manager.num_participants()
+        except Exception:  # noqa: BLE001 (the step's quorum error: should_commit raises it, as always)
+            n = 0
+    if n <= 0:
+        yield 1.0
+        return
+    for state in states:
+        state.divided_by = n
+    try:
+        yield 1.0 / (n * sizes.pop())
+    finally:
+        for state in states:
+            state.divided_by = None
 
 
 def _ft_comm_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future:
     """Average inside the group (async), then across groups; returns at once."""
+    divided = state.divided_by
     if bucket.index() == 0:
-        state.reducer.reset()
+        state.reducer.reset(divided)
     buffer = bucket.buffer()
     params = bucket.parameters()
     if state.intra_size <= 1:  # the bucket's gradient views are built only if it takes the copy path
@@ -267,8 +357,7 @@ def _ft_comm_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.F
 
     def cross(fut: torch.futures.Future) -> None:
         try:
-            fut.value()
-            buffer.mul_(1.0 / state.intra_size)  # as DDP scales: by the reciprocal (cheaper than a division)
+            fut.value()  # the group's sum: divided with the groups' (_CanonicalReducer._launch), or by the loss
         except Exception as exc:  # recorded; the bucket still goes through so collectives stay aligned
             state.manager.report_error(exc)
         try:
@@ -316,10 +405,12 @@ def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, man
     cap = getattr(ddp_model, "bucket_bytes_cap", 25 * 1024 * 1024)
     first_cap = getattr(config, "first_bucket_bytes_cap", dist._DEFAULT_FIRST_BUCKET_BYTES)
     params = reducer_parameters(ddp_model.module, set(getattr(ddp_model, "parameters_to_ignore", ())))
-    reducer = _CanonicalReducer(manager, params, first_cap, cap)
+    intra_size = dist.get_world_size(intra_group_pg) if intra_group_pg is not None else 1
+    reducer = _CanonicalReducer(manager, params, first_cap, cap, intra_size)
     reducer.restorable = intra_group_pg is None and not getattr(ddp_model, "gradient_as_bucket_view", False)
     state = _HookState(manager, reducer, intra_group_pg)
     ddp_model.register_comm_hook(state, _ft_comm_hook)
+    _HOOKS.setdefault(manager, weakref.WeakSet()).add(state)
     ddp_model._ft_hook_state = state  # type: ignore[attr-defined]
     module = ddp_model.module
     # DDP's own semantics, now across groups too; like DDP (which lists the buffers once, when it wraps),
@@ -343,3 +434,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         super().__init__(module, process_group=process_group, **ddp_kwargs)
         self.manager = manager
         register_comm_hook(self, manager, intra_group_pg)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """`loss.backward(**kwargs)`, with the average's division done by the loss (`backward_scale`): one
+        pass over the gradients less per step than a plain `loss.backward()`, which also works."""
+        with backward_scale(self.manager) as scale:
+            (loss if scale == 1.0 else loss * scale).backward(**kwargs)

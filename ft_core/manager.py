@@ -342,24 +342,27 @@ class Manager:
     # ----------------------------------------------------------------- collectives
 
     def allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp = ReduceOp.AVG,
-                  should_quantize: bool = False) -> ManagedWork:
+                  should_quantize: bool = False, *, divided_by: int | None = None) -> ManagedWork:
         """In-place allreduce across replica groups; AVG divides by num_participants. Never raises for
         communication errors (they are recorded and the step will not commit); raises ConfigError for
         an op without an identity and for an allreduce after this step's should_commit().
+        `divided_by` (AVG only): `tensor` already holds this group's contribution divided by that many
+        groups (ft_core.ddp.backward_scale), so the average only sums, rescaling if a redo changed the count.
         `should_quantize` (torchft's) is accepted and ignored with a warning: there is no quantized path."""
         if should_quantize:
             logger.warning("should_quantize=True is ignored: the allreduce is sent in full precision")
-        rules.check_reduce_op(reduce_op, tensor.dtype)
-        return ManagedWork(self, self._allreduce_future(tensor, reduce_op), tensor)
+        rules.check_reduce_op(reduce_op, tensor.dtype, divided_by)
+        return ManagedWork(self, self._allreduce_future(tensor, reduce_op, divided_by=divided_by), tensor)
 
-    def _allreduce_future(self, tensor: torch.Tensor, reduce_op: ReduceOp = ReduceOp.AVG) -> torch.futures.Future:
+    def _allreduce_future(self, tensor: torch.Tensor, reduce_op: ReduceOp = ReduceOp.AVG, *,
+                          divided_by: int | None = None) -> torch.futures.Future:
         """One of this step's cross-group reductions (what allreduce and the DDP comm hook issue)."""
         if self._voted:
             raise ConfigError(f"{self._prefix()} allreduce after should_commit() in the same step: no vote would "
                               f"see it fail, so groups could apply different updates. Start the next step first "
                               f"(manager.start_quorum() or OptimizerWrapper.zero_grad()), one vote per optimizer step")
         self._reductions += 1
-        return redo.issue(self, tensor, reduce_op)  # at the wait: done after a redo, if the step lost a peer
+        return redo.issue(self, tensor, reduce_op, divided_by)  # at the wait: done after any redo of the step
 
     def on_redo(self, tensor: torch.Tensor, write: Callable[[], None],
                 restore: Callable[[], bool] | None = None) -> None:
@@ -368,8 +371,8 @@ class Manager:
         input back into `tensor` if the reduction fails (True when it could), so it can be redone."""
         self._redo.on_redo(tensor, write, restore)
 
-    def _reduce(self, tensor: torch.Tensor, reduce_op: ReduceOp, rec: redo.Reduction | None = None,
-                wait: bool = True, out: torch.futures.Future | None = None) -> torch.futures.Future:
+    def _reduce(self, tensor: torch.Tensor, reduce_op: ReduceOp, rec: redo.Reduction | None = None, wait: bool = True,
+                out: torch.futures.Future | None = None, divided_by: int | None = None) -> torch.futures.Future:
         """The collective as an eager torch Future that never fails (value: `tensor`); `rec` learns whether the
         input was sent, which decides whether it can be redone. wait=False: the quorum is done (ft_core.redo).
         `out`: the future to complete (made beforehand, as ft_core.redo's first attempt), else a new one."""
@@ -390,7 +393,8 @@ class Manager:
             opts = dist.AllreduceOptions()
             opts.reduceOp = ReduceOp.SUM if reduce_op == ReduceOp.AVG else reduce_op
             work = self._pg.allreduce([tensor], opts)
-            done = (lambda _v: tensor.mul_(1.0 / max(n, 1))) if reduce_op == ReduceOp.AVG else (lambda _v: tensor)
+            scale = (divided_by or 1) / max(n, 1) if reduce_op == ReduceOp.AVG else 1.0
+            done = (lambda _v: tensor.mul_(scale)) if scale != 1.0 else (lambda _v: tensor)
             failed = self._on_collective_error if rec is None or role is not rules.Contribution.OWN else \
                 (lambda e, rec=rec: (redo.restore_input(rec, e), self._on_collective_error(e)))
             return ft_futures.settled(work.get_future(), tensor, failed, self.config.timeout, done,

@@ -98,6 +98,7 @@ class Reduction:
 
     tensor: torch.Tensor
     op: ReduceOp
+    divided_by: int | None = None  # AVG of an input already divided by this many groups (Manager.allreduce)
     saved: torch.Tensor | None = None  # a copy of the input (copy mode), restored before a redo
     intact: bool = True  # never handed to a collective or filled: `tensor` still holds the input
     writers: list[Callable[[], None]] = field(default_factory=list)  # run after a redo reduced it again
@@ -135,12 +136,13 @@ class ReductionLog:
         self.state = WaitState.IDLE
         self.lost = set()
 
-    def record(self, tensor: torch.Tensor, op: ReduceOp, broken: bool) -> Reduction | None:
+    def record(self, tensor: torch.Tensor, op: ReduceOp, broken: bool,
+               divided_by: int | None = None) -> Reduction | None:
         """A reduction being issued (None when redo is off). A copy is kept only when it will be sent."""
         if not self.config.enabled:
             return None
         saved = self._copy(len(self.records), tensor) if self.config.copy and not broken else None
-        rec = Reduction(tensor, op, saved)
+        rec = Reduction(tensor, op, divided_by, saved)
         self.records.append(rec)
         return rec
 
@@ -178,12 +180,12 @@ class ReductionLog:
 
 # ---- redo at the wait (groups of one rank) -----------------------------------------------------------
 
-def issue(m: "Manager", tensor: torch.Tensor, op: ReduceOp) -> torch.futures.Future:
+def issue(m: "Manager", tensor: torch.Tensor, op: ReduceOp, divided_by: int | None = None) -> torch.futures.Future:
     """Issue one of this step's cross-group reductions. At the wait, the future returned completes once
     the value is final: if the step lost a peer, after the redo reduced it again without the peer."""
     log = m._redo
     if not log.config.at_wait:
-        return m._reduce(tensor, op, log.record(tensor, op, m._pg_broken))
+        return m._reduce(tensor, op, log.record(tensor, op, m._pg_broken, divided_by), divided_by=divided_by)
     try:
         m.wait_quorum()
         ready = True
@@ -191,7 +193,7 @@ def issue(m: "Manager", tensor: torch.Tensor, op: ReduceOp) -> torch.futures.Fut
         ready = False
         log.other_errors = True
     with log.lock:
-        rec = log.record(tensor, op, m._pg_broken)
+        rec = log.record(tensor, op, m._pg_broken, divided_by)
         assert rec is not None
         rec.out = ft_futures.device_future(ft_futures.devices_of(tensor))
         if log.state is WaitState.PENDING:  # the redo issues it after the ones before it
@@ -201,7 +203,8 @@ def issue(m: "Manager", tensor: torch.Tensor, op: ReduceOp) -> torch.futures.Fut
         rec.first = first = ft_futures.device_future(ft_futures.devices_of(tensor))
     # Issued without the lock: the backend's completion thread takes it (_first_done of an earlier reduction),
     # and issuing can wait for that thread (Gloo does), so issuing under the lock could deadlock the step.
-    m._reduce(tensor, op, rec, wait=not ready, out=first)  # never fails, never blocks; completes `first`
+    # never fails, never blocks; completes `first`
+    m._reduce(tensor, op, rec, wait=not ready, out=first, divided_by=divided_by)
     first.add_done_callback(lambda _f, rec=rec: _first_done(m, rec))
     return rec.out
 
@@ -330,7 +333,7 @@ def _replay_at_wait(m: "Manager") -> None:
         done += 1
         if rec.saved is not None:
             rec.tensor.copy_(rec.saved)
-        pending.append(m._reduce(rec.tensor, rec.op, wait=False))
+        pending.append(m._reduce(rec.tensor, rec.op, wait=False, divided_by=rec.divided_by))
     for fut in pending:
         fut.wait()  # never fails; bounded by the collective timeout
     if m._errored is not None:
@@ -464,7 +467,7 @@ def redo_step(m: "Manager") -> bool:
     for rec in log.records:  # the original order: every redoing group issues the same sequence
         if rec.saved is not None:
             rec.tensor.copy_(rec.saved)
-        pending.append(m._reduce(rec.tensor, rec.op))
+        pending.append(m._reduce(rec.tensor, rec.op, divided_by=rec.divided_by))
     for fut_r in pending:
         fut_r.wait()  # never fails; bounded by the collective timeout
     if m._errored is not None:

@@ -266,11 +266,16 @@ def unreduced_step(groups: int, reductions: int) -> ConfigError | None:
                        f"or the loop does not call manager.allreduce on the gradients")
 
 
-def check_reduce_op(op: ReduceOp, dtype: torch.dtype) -> None:
-    """Refuse what no group could take part in: AVG of integers, an op without an identity."""
+def check_reduce_op(op: ReduceOp, dtype: torch.dtype, divided_by: int | None = None) -> None:
+    """Refuse what no group could take part in: AVG of integers, an op without an identity, an input
+    said to be divided already (`divided_by`) for an op other than AVG or by fewer than one group."""
     if op == ReduceOp.AVG and not (dtype.is_floating_point or dtype.is_complex):
         raise ConfigError(f"allreduce with ReduceOp.AVG needs a floating point tensor, got {dtype}; "
                           f"use ReduceOp.SUM for integers and divide yourself")
+    if divided_by is not None and (op != ReduceOp.AVG or isinstance(divided_by, bool)
+                                   or not isinstance(divided_by, int) or divided_by < 1):
+        raise ConfigError(f"allreduce(divided_by={divided_by!r}) with {op}: divided_by is the number of groups "
+                          f"the input was already divided by, an int >= 1, and only for ReduceOp.AVG")
     fill_value(op, dtype)  # raises ConfigError for an op without an identity
 
 

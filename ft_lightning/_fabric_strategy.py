@@ -25,7 +25,7 @@ import logging
 from typing import Any
 
 from ft_core.data import DistributedSampler as FTSampler
-from ft_core.ddp import register_comm_hook
+from ft_core.ddp import backward_scale, register_comm_hook
 from ft_lightning._common import (
     capture_rng,
     create_manager,
@@ -173,7 +173,11 @@ class FaultTolerantFabricMixin(FTStrategyBase):
         the next step, so its gradients are voted on in a step of their own."""
         if self._manager is not None and self._commit is not None and self._manager_live:
             self.start_quorum()
-        super().backward(tensor, module, *args, **kwargs)  # type: ignore[misc]
+        if self._manager is None or not self._manager_live:
+            super().backward(tensor, module, *args, **kwargs)  # type: ignore[misc]
+            return
+        with backward_scale(self._manager) as scale:  # the average's division, by the loss (ft_core.ddp)
+            super().backward(tensor if scale == 1.0 else tensor * scale, module, *args, **kwargs)  # type: ignore[misc]
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         if self._manager is None:

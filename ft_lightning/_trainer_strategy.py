@@ -33,7 +33,7 @@ import torch
 
 from ft_core import settings as ft_settings
 from ft_core.data import DistributedSampler as ExactlyOnceSampler
-from ft_core.ddp import register_comm_hook
+from ft_core.ddp import backward_scale, register_comm_hook
 from ft_core.errors import ConfigError, JobFinishedError
 from ft_lightning import _callbacks, _data, _dirs, _late_resume, _metrics, _progress
 from ft_lightning._common import (
@@ -281,6 +281,21 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
         if self._manager is not None and self._commit is not None:
             self._open_window(self.lightning_module.trainer)  # type: ignore[attr-defined]
             self._window_continues_batch = True
+
+    def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's Strategy.backward, with the loss divided for the cross-group average after the hooks saw
+        it and before it is backpropagated (ft_core.ddp.backward_scale: one pass over the gradients less)."""
+        if self._manager is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
+        self.pre_backward(closure_loss)
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)  # type: ignore[attr-defined]
+        with backward_scale(self._manager) as scale:
+            self.precision_plugin.backward(closure_loss if scale == 1.0 else closure_loss * scale,  # type: ignore[attr-defined]
+                                           module, optimizer, *args, **kwargs)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)  # type: ignore[attr-defined]
+        self.post_backward(closure_loss)  # type: ignore[attr-defined]
+        return closure_loss
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if self._manager is None:

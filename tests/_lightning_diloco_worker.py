@@ -32,9 +32,9 @@ ALLREDUCES = [0]
 _original = Manager._allreduce_future
 
 
-def _counted(self, tensor, reduce_op=torch.distributed.ReduceOp.AVG):  # type: ignore[no-untyped-def]
+def _counted(self, tensor, reduce_op=torch.distributed.ReduceOp.AVG, **kw):  # type: ignore[no-untyped-def]
     ALLREDUCES[0] += 1
-    return _original(self, tensor, reduce_op)
+    return _original(self, tensor, reduce_op, **kw)
 
 
 Manager._allreduce_future = _counted  # every cross-group reduction goes through here (real calls)

@@ -30,9 +30,9 @@ ALLREDUCES = [0]
 _original_allreduce = Manager._allreduce_future
 
 
-def _counted_allreduce(self, tensor, reduce_op=torch.distributed.ReduceOp.AVG):  # type: ignore[no-untyped-def]
+def _counted_allreduce(self, tensor, reduce_op=torch.distributed.ReduceOp.AVG, **kw):  # type: ignore[no-untyped-def]
     ALLREDUCES[0] += 1
-    return _original_allreduce(self, tensor, reduce_op)
+    return _original_allreduce(self, tensor, reduce_op, **kw)
 
 
 Manager._allreduce_future = _counted_allreduce  # count the Manager's cross-group allreduces (real calls)

@@ -9,6 +9,12 @@ ft_core DDP + OptimizerWrapper, AdamW, each group its own data. The test steers 
   before any of its reductions is issued;
 - `<workdir>/stop` holding `STEP`: stop there.
 
+The backward runs as `ddp.backward(loss)` (the loss divided for the average, ft_core.ddp.backward_scale),
+or as a plain `loss.backward()` with --plain-backward. Every step also records four fixed random
+projections of this group's own gradient (`local`, from a copy of the model) and of the reduced one
+(`reduced`, right after backward): the reduction is linear, so `reduced` is the mean of the
+participants' `local`.
+
 With --read-reduced the loop reads reduced values before the vote, as real loops do: it averages its
 loss across the groups (`manager.allreduce(...).wait()`, after the backward pass, or before it with
 --loss-first) and clips the reduced gradients (`clip_grad_norm_`), and records both; after the step it
@@ -21,6 +27,7 @@ optimizer state, participants) and `...events.jsonl` (the Manager's structured e
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import os
@@ -66,6 +73,7 @@ def main() -> int:
     p.add_argument("--read-reduced", action="store_true", help="read the reduced loss and gradients before the vote")
     p.add_argument("--loss-first", action="store_true", help="with --read-reduced: reduce the loss before backward")
     p.add_argument("--max-norm", type=float, default=0.05)
+    p.add_argument("--plain-backward", action="store_true", help="loss.backward() instead of ddp.backward(loss)")
     args = p.parse_args()
     torch.set_num_threads(1)
     prefix = os.path.join(args.workdir, f"g{args.group}.i{args.incarnation}")
@@ -89,6 +97,12 @@ def main() -> int:
                       quorum_timeout=timedelta(seconds=30), connect_timeout=timedelta(seconds=30))
     ddp = DistributedDataParallel(manager, model)
     optimizer = OptimizerWrapper(manager, inner)
+    shadow = copy.deepcopy(model)
+    numel = sum(q.numel() for q in model.parameters())
+    directions = torch.randn(4, numel, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+
+    def projections(grads: list[torch.Tensor]) -> list[float]:
+        return (directions @ torch.cat([g.reshape(-1) for g in grads]).double()).tolist()
     kill_file, hold_file = os.path.join(args.workdir, f"g{args.group}.kill"), os.path.join(args.workdir, "hold")
 
     def armed(point: str) -> bool:
@@ -142,12 +156,21 @@ def main() -> int:
             x = torch.randn(32, 16, generator=gen)
             y = torch.randint(0, 4, (32,), generator=gen)
         loss = F.cross_entropy(ddp(x), y)
+        weight = sampler.loss_weight() if sampler is not None else 1.0
         if sampler is not None:
-            loss = loss * sampler.loss_weight()
+            loss = loss * weight
         seen: dict = {}
+        shadow.load_state_dict(model.state_dict())
+        shadow.zero_grad()
+        (F.cross_entropy(shadow(x), y) * weight).backward()
+        seen["local"] = projections([q.grad for q in shadow.parameters()])
         if args.read_reduced and args.loss_first:
             seen["loss"], seen["reduced_loss"] = reduced_loss(manager, loss)
-        loss.backward()
+        if args.plain_backward:
+            loss.backward()
+        else:
+            ddp.backward(loss)
+        seen["reduced"] = projections([q.grad for q in model.parameters()])
         if args.read_reduced:
             if not args.loss_first:
                 seen["loss"], seen["reduced_loss"] = reduced_loss(manager, loss)
@@ -162,6 +185,7 @@ def main() -> int:
                               "time": time.time(), "held": list(rec.held) if rec else None,
                               "consumed": list(rec.consumed) if rec else None,
                               "digest": state_digest(model, inner), "participants": manager.num_participants(),
+                              "participating": manager.is_participating(),
                               **seen}) + "\n")
         if armed("vote"):
             die("vote")

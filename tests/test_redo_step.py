@@ -137,6 +137,25 @@ def assert_identical(job: Job) -> None:
     assert len({(f["step"], f["digest"]) for f in finals}) == 1, finals
 
 
+def assert_reduced_is_the_participants_mean(job: Job, kill_step: int) -> None:
+    """Every committed step's reduced gradient (projections) is the mean of the gradients of the groups
+    that took part in it: of three before the kill, of the two survivors at the redone step of the kill."""
+    committed: dict[int, list[dict[str, Any]]] = {}
+    for g in range(3):
+        for inc in range(1, job.incarnation[g] + 1):
+            for r in job.committed(g, inc):
+                committed.setdefault(r["after"] - 1, []).append(r)  # a healer's "step" is where it started
+    assert {kill_step - 1, kill_step} <= set(committed), sorted(committed)
+    for step, rows in sorted(committed.items()):
+        taking_part = [r for r in rows if r["participating"]]
+        assert len(taking_part) == rows[0]["participants"], (step, rows)
+        mean = [sum(r["local"][k] for r in taking_part) / len(taking_part) for k in range(4)]
+        for r in rows:
+            assert r["reduced"] == pytest.approx(mean, rel=1e-4, abs=1e-7), (step, r, mean)
+    assert len([r for r in committed[kill_step] if r["participating"]]) == 2
+    assert len([r for r in committed[kill_step - 1] if r["participating"]]) == 3
+
+
 def assert_no_step_lost(job: Job, kill_step: int) -> None:
     for g in SURVIVORS:
         failed = [r for r in job.steps(g) if not r["committed"]]
@@ -154,17 +173,21 @@ def test_a_group_killed_in_the_survivors_forward_pass_costs_them_no_step(process
     """Default mode: the loss is pushed before any reduction of the step is sent, so nothing is copied."""
     job, kill_step = run_kill(processes, tmp_path, "forward", hold=True, env={})
     assert_no_step_lost(job, kill_step)
+    assert_reduced_is_the_participants_mean(job, kill_step)
     assert_identical(job)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("env", [{}, {"FT_REDO_COPY": "1"}], ids=["inputs-rebuilt-from-grads", "copies-kept"])
-def test_a_group_killed_mid_reduction_costs_the_survivors_no_step(processes, tmp_path, env) -> None:
+@pytest.mark.parametrize("env, extra", [({}, []), ({"FT_REDO_COPY": "1"}, []), ({}, ["--plain-backward"])],
+                         ids=["inputs-rebuilt-from-grads", "copies-kept", "plain-backward"])
+def test_a_group_killed_mid_reduction_costs_the_survivors_no_step(processes, tmp_path, env, extra) -> None:
     """The survivors' reductions were in flight with the dead group when it died. Default: the DDP hook
     rebuilds each failed chunk from the gradients DDP has not overwritten yet; FT_REDO_COPY=1: the
-    copies are redone."""
-    job, kill_step = run_kill(processes, tmp_path, "allreduce", hold=False, env=env)
+    copies are redone. The redone gradients are the two survivors' mean, whether the loss was divided
+    for three groups before backward (ddp.backward: the redo rescales by 3/2) or not (loss.backward())."""
+    job, kill_step = run_kill(processes, tmp_path, "allreduce", hold=False, env=env, extra=extra)
     assert_no_step_lost(job, kill_step)
+    assert_reduced_is_the_participants_mean(job, kill_step)
     assert_identical(job)
 
 

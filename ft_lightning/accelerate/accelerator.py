@@ -281,7 +281,12 @@ class FaultTolerantAccelerator(Accelerator):
         if self.ft_manager is not None and self._ft_window.committed is not None:
             self.ft_start_step()
         weight = self._ft_loss_weight()
-        super().backward(loss if weight == 1.0 else loss * weight, **kwargs)
+        if self.ft_manager is None:
+            super().backward(loss if weight == 1.0 else loss * weight, **kwargs)
+            return
+        with ddp.backward_scale(self.ft_manager) as scale:  # the average's division, by the loss (ft_core.ddp)
+            weight *= scale
+            super().backward(loss if weight == 1.0 else loss * weight, **kwargs)
 
     def _ft_loss_weight(self) -> float:
         """The exactly-once loaders' verdict on this step's batch: 0.0 when it is not the step's assignment
