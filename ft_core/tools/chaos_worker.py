@@ -370,7 +370,11 @@ def main(argv: list[str] | None = None) -> int:
             weight = sampler.loss_weight()  # once per step, after the quorum and before backward
             x, y = indexed_batch(args.seed, list(drawn) or [0], args.features)
             weight = weight if drawn else 0.0
-        (F.mse_loss(ddp(x), y) * weight).backward()
+        loss = F.mse_loss(ddp(x), y) * weight
+        if (step + int(group)) % 2:  # groups mix both ways of dividing their shares in one step (ft_core.ddp)
+            ddp.backward(loss)
+        else:
+            loss.backward()
         got = issue_reductions(manager, args.seed, args.extremes)
         # a skipped optimizer step (e.g. a GradScaler inf): every rank of the group draws the same,
         # and only a step's first attempt may skip (a skipped step is retried, never skipped forever)
