@@ -409,6 +409,44 @@ def test_fast_quorum_is_issued_at_the_last_join_after_a_quorum_that_left_a_live_
     assert third[1].issued.quorum.replica_ids == ["a", "b"]
 
 
+def test_a_live_holder_of_a_step_is_waited_for_after_a_quorum_that_left_it_out() -> None:
+    # Found by ftl chaos (c2, seed 44). a holds step 212 but is stuck (still heartbeating) after quorum 1;
+    # quorum 2 goes on with b and c:1, c:1 holding 212 too; c:1 is killed. b (211) and c's new incarnation
+    # (0) must not form a quorum at step 211 (it would commit 212 again, beside a's 212) while a heartbeats,
+    # although a is not in the previous quorum; once a is gone they may.
+    core = LighthouseCore(LighthouseConfig(min_replicas=1, join_timeout_ms=50, heartbeat_timeout_ms=30_000))
+    streams = {rid: object() for rid in ("a", "b", "c:1")}
+    for rid, token in streams.items():
+        core.stream_opened(rid, token)
+    steps = {"a": 212, "b": 211, "c:1": 212}
+    first = [Waiter(QuorumMember(rid, step=steps[rid]), lambda: None) for rid in steps]
+    for waiter in first:
+        core.join(waiter)
+    assert first[0].issued is not None and first[0].issued.quorum.replica_ids == ["a", "b", "c:1"]
+    for waiter in first:
+        core.leave(waiter)
+    second = [Waiter(QuorumMember(rid, step=steps[rid]), lambda: None) for rid in ("b", "c:1")]
+    for waiter in second:
+        core.join(waiter)
+    time.sleep(0.1)  # a is a straggler past the join timeout, and c:1 holds 212: issued without a
+    core.tick()
+    assert second[0].issued is not None and second[0].issued.quorum.replica_ids == ["b", "c:1"]
+    for waiter in second:
+        core.leave(waiter)
+    core.stream_closed("c:1", streams["c:1"], "broke (killed)")
+    core.stream_opened("c:2", object())
+    third = [Waiter(QuorumMember("b", step=211), lambda: None), Waiter(QuorumMember("c:2", step=0), lambda: None)]
+    for waiter in third:
+        core.join(waiter)
+    time.sleep(0.1)
+    core.tick()
+    assert third[0].issued is None, "a quorum at step 211 was issued while a, holding step 212, heartbeats"
+    assert "behind step 212 of a" in core.quorum_status(), core.quorum_status()
+    core.stream_closed("a", streams["a"], "broke (killed)")
+    core.tick()
+    assert third[0].issued is not None and third[0].issued.quorum.replica_ids == ["b", "c:2"]
+
+
 @pytest.mark.timeout(60)
 def test_silent_member_is_excluded_after_heartbeat_timeout_and_comes_back(processes) -> None:
     timeout_ms, tick_ms = 500, 50

@@ -47,6 +47,7 @@ class Case:
     expect_id: int | None = None
     first_seen: dict[str, float] | None = None  # replica_id -> seconds since it came alive (rule 8)
     reported: dict[str, tuple[int, float]] | None = None  # replica_id -> (reported quorum id, seconds since learned)
+    holders: dict[str, int] | None = None  # replica_id -> highest step it brought to an issued quorum (rule 9)
     excluded: list[str] = field(default_factory=list)  # rule 2: shrink-only callers outside the last quorum, answered
     config: QuorumConfig = field(default_factory=lambda: QuorumConfig(min_replicas=1, join_timeout_ms=60_000,
                                                                       heartbeat_timeout_ms=5_000))
@@ -202,6 +203,21 @@ CASES = [
     Case("a joiner at the holder's step: no wait for the holder", [(m("b", step=251), 61.0), (m("c", step=0), 61.0)],
          alive("a", "b", "c"), ["b", "c"], "Valid quorum found",
          prev=Quorum(6, (m("a", step=251), m("b", step=251))), quorum_id=6, expect_id=7),
+    # found by ftl chaos (c2, seed 44): a held step 212 from quorum 74 but was stuck in its configure; quorum 75
+    # went on with c, the other holder of 212, which was then killed; b (211) and c's new incarnation (0) must
+    # not train step 212 again while a heartbeats, although a is not in the previous quorum
+    Case("a healthy holder from an older quorum: wait past the join timeout",
+         [(m("b", step=211), 61.0), (m("c:2", step=0), 61.0)], alive("a", "b", "c:2"), None,
+         "every participant is behind step 212 of a", prev=Quorum(75, (m("b", step=211), m("c:1", step=212))),
+         quorum_id=75, holders={"a": 212, "b": 211, "c:1": 212}),
+    Case("the older quorum's holder stops heartbeating: the quorum goes on without it",
+         [(m("b", step=211), 61.0), (m("c:2", step=0), 61.0)], {"a": 6.0, "b": 0.1, "c:2": 0.1}, ["b", "c:2"],
+         "Valid quorum found", prev=Quorum(75, (m("b", step=211), m("c:1", step=212))), quorum_id=75,
+         expect_id=76, holders={"a": 212, "b": 211, "c:1": 212}),
+    Case("a holder from an older quorum at the joiners' step is left behind at the join timeout",
+         joined("b", "c:2", ago=61.0, step=212), alive("a", "b", "c:2"), ["b", "c:2"], "Valid quorum found",
+         prev=Quorum(75, (m("b", step=212), m("c:1", step=212))), quorum_id=75, expect_id=76,
+         holders={"a": 212}),
     Case("different groups with suffixes are independent", joined("g:1", "h:1"), alive("g:1", "h:1"),
          ["g:1", "h:1"], "Valid quorum found", first_seen={"g:1": 5.0, "h:1": 1.0}),
     # rule 10: a lighthouse that never issued the members' last quorum (restarted, or a standby that took over)
@@ -250,7 +266,8 @@ def test_decide(case: Case) -> None:
         heartbeats={rid: NOW - ago for rid, ago in case.alive.items()},
         prev_quorum=case.prev, quorum_id=case.quorum_id,
         first_seen={rid: NOW - ago for rid, ago in (case.first_seen or {}).items()},
-        reported={rid: Reported(qid, NOW - ago) for rid, (qid, ago) in (case.reported or {}).items()})
+        reported={rid: Reported(qid, NOW - ago) for rid, (qid, ago) in (case.reported or {}).items()},
+        holders=case.holders or {})
     decision = decide(state, NOW, case.config)
     got = None if decision.participants is None else [p.replica_id for p in decision.participants]
     assert got == case.expect, decision.reason

@@ -100,6 +100,7 @@ class LighthouseCore:
         self._closed = False
         self._first_seen: dict[str, float] = {}  # replica_id -> when it last came alive (rule 8: oldest wins)
         self._reported: dict[str, Reported] = {}  # members of quorums it never issued (rule 10)
+        self._holders: dict[str, int] = {}  # replica_id -> highest step it brought to a quorum issued here (rule 9)
         self._warned_refused: set[tuple[str, str]] = set()  # (refused, older) pairs already logged
         self._notified: set[tuple[int, str]] = set()  # (quorum_id, lost replica) already pushed
         self._notifier: PeerLostNotifier | None = None
@@ -237,7 +238,7 @@ class LighthouseCore:
                     waiter.redirect = message
                     waiter.wake()
             for table in (self._waiting, self._heartbeats, self._streams, self._first_seen, self._known, self._dead,
-                          self._reported):
+                          self._reported, self._holders):
                 table.clear()
             self._expired.clear()
 
@@ -383,6 +384,8 @@ class LighthouseCore:
                                         if pair[0] in self._heartbeats and pair[1] in self._heartbeats}
             for rid in [r for r in self._known if r not in self._heartbeats and r not in self._waiters]:
                 del self._known[rid]
+            for rid in [r for r in self._holders if r not in self._heartbeats]:
+                del self._holders[rid]
             for rid in prune_heartbeats(self._dead, now, PRUNE_AFTER_TIMEOUTS * timeout):
                 del self._dead[rid]
             if self._reported:  # kept while rule 10 counts them: heartbeating, or within a timeout of the report
@@ -432,7 +435,7 @@ class LighthouseCore:
 
     def _state_locked(self) -> LighthouseState:
         return LighthouseState(self._waiting, self._heartbeats, self._prev, self._quorum_id, self._first_seen,
-                               self._reported)
+                               self._reported, self._holders)
 
     def _decide_locked(self, now: float) -> None:
         if self._awaiting_peers or self._redirect is not None:
@@ -470,6 +473,8 @@ class LighthouseCore:
         self._issued += 1
         issued = Issued(quorum)
         for member in quorum.participants:
+            if member.step > self._holders.get(member.replica_id, -1):
+                self._holders[member.replica_id] = member.step
             self._waiting.pop(member.replica_id, None)
             for waiter in self._waiters.pop(member.replica_id, ()):
                 waiter.issued = issued

@@ -65,6 +65,7 @@ class LighthouseState:
     quorum_id: int = 0
     first_seen: Mapping[str, float] = field(default_factory=dict)  # replica_id -> when first heard (rule 8)
     reported: Mapping[str, Reported] = field(default_factory=dict)  # replica_id -> its report (rule 10)
+    holders: Mapping[str, int] = field(default_factory=dict)  # replica_id -> highest step it brought to a quorum (rule 9)
 
 
 @dataclass(frozen=True)
@@ -292,25 +293,28 @@ def decide(state: LighthouseState, now: float, config: QuorumConfig) -> Decision
         if left > 0:
             return wait(f"Valid quorum with {len(candidates)} participants, waiting for {stragglers} healthy but "
                         f"not participating stragglers due to join timeout ({left:.1f} s left).")
-        ahead = healthy_holders_ahead(prev, healthy, joined.keys(), max(m.step for m in candidates))
+        ahead = healthy_holders_ahead(prev, state.holders, healthy, joined.keys(), max(m.step for m in candidates))
         if ahead:  # rule 9: never issue a quorum that would train committed steps again while their holder lives
-            holder = ahead[0]
-            return wait(f"New quorum not ready: every participant is behind step {holder.step} of "
-                        f"{', '.join(m.replica_id for m in ahead)} (healthy, not participating); waiting for it to "
+            return wait(f"New quorum not ready: every participant is behind step {ahead[0][1]} of "
+                        f"{', '.join(rid for rid, _ in ahead)} (healthy, not participating); waiting for it to "
                         f"rejoin or stop heartbeating, since a quorum without it would train committed steps again.")
     return issue(candidates, "Valid quorum found.")
 
 
-def healthy_holders_ahead(prev: Quorum | None, healthy: Collection[str], joined: Collection[str],
-                          max_step: int) -> list[QuorumMember]:
-    """Rule 9: members of the previous quorum, still heartbeating but not joined, whose step is above every
-    candidate's (highest step first). A quorum without them would commit steps 'max_step + 1 ...' a second
-    time, on another history; the join timeout does not apply to them (their heartbeat timeout does)."""
-    if prev is None:
-        return []
-    ahead = [m for m in prev.participants if m.replica_id in healthy and m.replica_id not in joined
-             and m.step > max_step]
-    return sorted(ahead, key=lambda m: (-m.step, m.replica_id))
+def healthy_holders_ahead(prev: Quorum | None, holders: Mapping[str, int], healthy: Collection[str],
+                          joined: Collection[str], max_step: int) -> list[tuple[str, int]]:
+    """Rule 9: members of any quorum this lighthouse issued (`holders`: the highest step each brought to one;
+    the previous quorum's participants too), still heartbeating but not joined, whose step is above every
+    candidate's: (replica id, step), highest step first. A quorum without them would commit steps
+    'max_step + 1 ...' a second time, on another history; the join timeout does not apply to them (their
+    heartbeat timeout does). Not only the previous quorum's: found by ftl chaos (c2, seed 44), a holder of
+    step 212 stuck in its configure for quorum 74 was absent from quorum 75, whose own holder of 212 was
+    then killed, and quorum 76 trained step 212 again at max_step 211 beside it."""
+    known = dict(holders)
+    for m in prev.participants if prev is not None else ():
+        known[m.replica_id] = max(known.get(m.replica_id, m.step), m.step)
+    ahead = [(rid, step) for rid, step in known.items() if rid in healthy and rid not in joined and step > max_step]
+    return sorted(ahead, key=lambda item: (-item[1], item[0]))
 
 
 def reported_members(reported: Mapping[str, Reported], member: QuorumMember, quorum_id: int,
