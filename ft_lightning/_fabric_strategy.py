@@ -177,7 +177,8 @@ class FaultTolerantFabricMixin(FTStrategyBase):
             super().backward(tensor, module, *args, **kwargs)  # type: ignore[misc]
             return
         with backward_scale(self._manager) as scale:  # the average's division, by the loss (ft_core.ddp)
-            super().backward(tensor if scale == 1.0 else tensor * scale, module, *args, **kwargs)  # type: ignore[misc]
+            loss = tensor if scale == 1.0 else tensor * scale
+            super().backward(loss, module, *args, **kwargs)  # type: ignore[misc]
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         if self._manager is None:

@@ -291,8 +291,8 @@ class FaultTolerantTrainerMixin(FTStrategyBase):
         module = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)  # type: ignore[attr-defined]
         with backward_scale(self._manager) as scale:
-            self.precision_plugin.backward(closure_loss if scale == 1.0 else closure_loss * scale,  # type: ignore[attr-defined]
-                                           module, optimizer, *args, **kwargs)
+            loss = closure_loss if scale == 1.0 else closure_loss * scale
+            self.precision_plugin.backward(loss, module, optimizer, *args, **kwargs)  # type: ignore[attr-defined]
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)  # type: ignore[attr-defined]
         self.post_backward(closure_loss)  # type: ignore[attr-defined]
         return closure_loss

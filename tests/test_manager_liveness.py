@@ -229,8 +229,15 @@ def test_a_healer_whose_source_dies_before_it_connects_is_released_by_the_notice
         stop_all([g1, g2])
 
     lost_source = f"heal source replica group {g0.events(1)[0]['replica_id']}"
-    errors = [e["message"] for e in g1.events(2) if e["type"] == "error"]
-    assert any(lost_source in m and "was lost" in m for m in errors), errors
+    events = g1.events(2)
+    errors = [e["message"] for e in events if e["type"] == "error"]
+    # The step records its first error only: the notice's, or (on a busy machine, where g0's death can fail
+    # the step's allreduce before the notice arrives; busy suite, 2026-12-05) that allreduce's. Either way
+    # the heal from g0 ends at once, far under the 5 s heal timeout it waited out before.
+    assert any((lost_source in m and "was lost" in m) or "ft-gloo allreduce" in m for m in errors[:1]), errors
+    quorum_at = next(e["time"] for e in events if e["type"] == "quorum")
+    voted_at = next(e["time"] for e in events if e["type"] == "commit")
+    assert voted_at - quorum_at < 3.0, f"g1's step with the dead heal source took {voted_at - quorum_at:.2f}s"
     check_step_digests([g1, g2])
     gap = commit_gaps(g2.commits())
     # far under the 5 s heal timeout g2 waited out before (the figure itself is benchmarks/heal.py's)

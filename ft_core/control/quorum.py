@@ -65,7 +65,7 @@ class LighthouseState:
     quorum_id: int = 0
     first_seen: Mapping[str, float] = field(default_factory=dict)  # replica_id -> when first heard (rule 8)
     reported: Mapping[str, Reported] = field(default_factory=dict)  # replica_id -> its report (rule 10)
-    holders: Mapping[str, int] = field(default_factory=dict)  # replica_id -> highest step it brought to a quorum (rule 9)
+    holders: Mapping[str, int] = field(default_factory=dict)  # replica_id -> top step it brought to a quorum (rule 9)
 
 
 @dataclass(frozen=True)
