@@ -186,14 +186,14 @@ def run_lightning(args: argparse.Namespace, group: int) -> None:
             self.step_at: int = 0
 
         def training_step(self, index, _batch_idx):  # type: ignore[no-untyped-def]
-            manager = self.trainer.strategy._manager
+            manager = self.trainer.strategy.manager
             self.step_at = manager.current_step()
             x, y = batch(group, self.global_rank, self.step_at)
             self.local = own_gradient(self.net, [(x, y)])
             return F.cross_entropy(self.net(x), y)
 
         def on_after_backward(self) -> None:
-            manager = self.trainer.strategy._manager
+            manager = self.trainer.strategy.manager
             Rows(args.out, group, self.global_rank).write(manager, self.step_at, self.local,
                                                           projections([p.grad for p in self.net.parameters()]))
 
