@@ -62,7 +62,16 @@ def _takes_divided_by(function: Callable[..., Any]) -> bool:
     return "divided_by" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
-def divides_shares(manager: "Manager") -> bool:
+def _participants(manager: "Manager") -> int:
+    """This step's number of participating groups, waiting for its quorum (0 if the quorum failed: the step
+    fails anyway, and should_commit raises the quorum's error as always)."""
+    try:
+        return manager.num_participants()
+    except Exception:  # noqa: BLE001 (recorded by the quorum future, raised by the step)
+        return 0
+
+
+def _divides_shares(manager: "Manager") -> bool:
     """Whether `manager.allreduce` takes `divided_by` (a wrapper written for torchft's signature does not)."""
     allreduce = manager.allreduce
     return _takes_divided_by(getattr(allreduce, "__func__", allreduce))
@@ -162,7 +171,7 @@ class _CanonicalReducer:
         self._shares = True  # this step's reductions send divided shares (the Manager's allreduce takes divided_by)
 
     def reset(self, divided_by: int | None = None) -> None:
-        shares = divides_shares(self._manager)
+        shares = _divides_shares(self._manager)
         with self._lock:
             self.divided_by = divided_by
             self._shares = shares
@@ -228,7 +237,7 @@ class _CanonicalReducer:
         divided = self.divided_by
         if divided is None:  # a plain backward: this group's share is divided here, in one pass, before it is sent
             if self._shares:
-                divided = self._participants()
+                divided = _participants(self._manager)
                 chunk.divided = 1.0 / (divided * self._intra_size) if divided else 1.0
             else:  # AVG divides by the groups after the sum
                 chunk.divided = 1.0 / self._intra_size
@@ -245,13 +254,6 @@ class _CanonicalReducer:
             on_redo(tensor, lambda chunk=chunk, tensor=tensor: self._rewrite_grads(chunk, tensor),
                     (lambda chunk=chunk, tensor=tensor: self._restore_input(chunk, tensor)) if self.restorable
                     else None)
-
-    def _participants(self) -> int:
-        """This step's number of participating groups (0 if its quorum failed: the step fails anyway)."""
-        try:
-            return self._manager.num_participants()
-        except Exception:  # noqa: BLE001 (the quorum's error, recorded and raised by the step as always)
-            return 0
 
     def _restore_input(self, chunk: _Chunk, tensor: torch.Tensor) -> bool:
         """Refill `tensor` with the chunk's local gradients (divided as when first sent), to reduce it again
@@ -302,11 +304,11 @@ class _CanonicalReducer:
 
 
 class _HookState:
-    def __init__(self, manager: "Manager", reducer: _CanonicalReducer, intra_group_pg: Any) -> None:
+    def __init__(self, manager: "Manager", reducer: _CanonicalReducer, intra_group_pg: Any, intra_size: int) -> None:
         self.manager = manager
         self.reducer = reducer
         self.intra_group_pg = intra_group_pg
-        self.intra_size = dist.get_world_size(intra_group_pg) if intra_group_pg is not None else 1
+        self.intra_size = intra_size
         self.divided_by: int | None = None  # set by backward_scale for the backward it wraps
 
 
@@ -324,12 +326,7 @@ def backward_scale(manager: "Manager") -> Iterator[float]:
     no_sync from a plain backward would not be divided."""
     states = list(_HOOKS.get(manager, ()))
     sizes = {state.intra_size for state in states}
-    n = 0
-    if len(sizes) == 1 and divides_shares(manager):
-        try:
-            n = manager.num_participants()
-        except Exception:  # noqa: BLE001 (the step's quorum error: should_commit raises it, as always)
-            n = 0
+    n = _participants(manager) if len(sizes) == 1 and _divides_shares(manager) else 0
     if n <= 0:
         yield 1.0
         return
@@ -408,7 +405,7 @@ def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, man
     intra_size = dist.get_world_size(intra_group_pg) if intra_group_pg is not None else 1
     reducer = _CanonicalReducer(manager, params, first_cap, cap, intra_size)
     reducer.restorable = intra_group_pg is None and not getattr(ddp_model, "gradient_as_bucket_view", False)
-    state = _HookState(manager, reducer, intra_group_pg)
+    state = _HookState(manager, reducer, intra_group_pg, intra_size)
     ddp_model.register_comm_hook(state, _ft_comm_hook)
     _HOOKS.setdefault(manager, weakref.WeakSet()).add(state)
     ddp_model._ft_hook_state = state  # type: ignore[attr-defined]
