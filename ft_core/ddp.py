@@ -167,13 +167,13 @@ class _CanonicalReducer:
         # the parameters' .grad hold this rank's own gradients until DDP's finalize (no bucket views, no
         # intra-group average): a failed reduction's input can be rebuilt from them (ft_core.redo)
         self.restorable = False
-        self.divided_by: int | None = None  # this backward's gradients arrive divided by it (backward_scale)
+        self._divided_by: int | None = None  # this backward's gradients arrive divided by it (backward_scale)
         self._shares = True  # this step's reductions send divided shares (the Manager's allreduce takes divided_by)
 
     def reset(self, divided_by: int | None = None) -> None:
         shares = _divides_shares(self._manager)
         with self._lock:
-            self.divided_by = divided_by
+            self._divided_by = divided_by
             self._shares = shares
             for chunk in self._chunks:
                 chunk.divided = 1.0
@@ -234,7 +234,7 @@ class _CanonicalReducer:
     def _launch(self, chunk: _Chunk) -> None:
         tensor = chunk.fast if chunk.fast is not None else chunk.buffer
         assert tensor is not None
-        divided = self.divided_by
+        divided = self._divided_by
         if divided is None:  # a plain backward: this group's share is divided here, in one pass, before it is sent
             if self._shares:
                 divided = _participants(self._manager)

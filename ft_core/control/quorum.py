@@ -9,6 +9,7 @@ Times are float seconds on one monotonic clock chosen by the caller.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -310,11 +311,12 @@ def healthy_holders_ahead(prev: Quorum | None, holders: Mapping[str, int], healt
     heartbeat timeout does). Not only the previous quorum's: found by ftl chaos (c2, seed 44), a holder of
     step 212 stuck in its configure for quorum 74 was absent from quorum 75, whose own holder of 212 was
     then killed, and quorum 76 trained step 212 again at max_step 211 beside it."""
-    known = dict(holders)
-    for m in prev.participants if prev is not None else ():
-        known[m.replica_id] = max(known.get(m.replica_id, m.step), m.step)
-    ahead = [(rid, step) for rid, step in known.items() if rid in healthy and rid not in joined and step > max_step]
-    return sorted(ahead, key=lambda item: (-item[1], item[0]))
+    known = itertools.chain(holders.items(), ((m.replica_id, m.step) for m in (prev.participants if prev else ())))
+    ahead: dict[str, int] = {}
+    for rid, step in known:
+        if step > max_step and rid in healthy and rid not in joined:
+            ahead[rid] = max(step, ahead.get(rid, step))
+    return sorted(ahead.items(), key=lambda item: (-item[1], item[0]))
 
 
 def reported_members(reported: Mapping[str, Reported], member: QuorumMember, quorum_id: int,
