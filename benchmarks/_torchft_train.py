@@ -4,8 +4,9 @@ torchft Manager + DistributedDataParallel + Optimizer on the 3.7M-parameter MLP 
 AdamW, batch 32), torchft's defaults otherwise (async quorum, HTTP checkpoint transport, lighthouse
 heartbeat timeout). Writes one JSON line per event to --step-log, in the format examples/train_ddp.py
 uses, so the same harness reads both:
-  {"event": "ready", "time", "started"}      Manager constructed (started: before the imports)
-  {"event": "commit", "step", "time"}       a committed step
+  {"event": "ready", "time", "started", "cpu"}  Manager constructed (started: before the imports;
+                                              cpu: the process's CPU seconds until then)
+  {"event": "commit", "step", "time"}         a committed step
   {"event": "heal", "quorum_time", "transfer_s", "load_s"}  after a healing step's state was loaded
 --kill-file: SIGKILL this process at the next forward pass once the file exists.
 --stop-file: stop once the file holds a step number and this group has reached it.
@@ -96,7 +97,7 @@ def main() -> None:
                       timeout=timeout, checkpoint_transport=transport)
     ddp = DistributedDataParallel(manager, model)
     optimizer = Optimizer(manager, inner)
-    log.write(json.dumps({"event": "ready", "time": time.time(), "started": STARTED}) + "\n")
+    log.write(json.dumps({"event": "ready", "time": time.time(), "started": STARTED, "cpu": time.process_time()}) + "\n")
 
     gen = torch.Generator().manual_seed(1234)
     features = torch.randn(256, 1024, generator=gen)

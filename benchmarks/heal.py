@@ -11,6 +11,10 @@
     survivors' longest gap between commits around the failure.
     Targets (reported, not asserted): restart to first commit <= 2.5 s, survivors' gap <= 0.5 s;
     the reference measured 5.1 s and 5.2 s on this kind of machine.
+    Also the restarted process's CPU seconds until its Manager was ready, and the same group started with no
+    other group running, ours and torchft's alternating (spawn to ready, and its CPU): our survivors keep
+    training through a restart on the same cores, torchft's wait for it, so the restart alone shows what a
+    start costs.
 (c) The commit vote's cost in steady state (should_commit wall time, one rank per group).
 (d) Survivors' steps lost per peer SIGKILL (`--kills N`, issue 15): three groups train the same MLP;
     one is SIGKILLed N times, alternately during its forward pass and right after issuing its first
@@ -116,7 +120,8 @@ def _split(victim: Any, killed_at: float, survivors: list[Any]) -> dict[str, flo
     return {"killed_at": killed_at, "total_s": total, "start_imports_s": start_imports, "quorum_s": quorum_s,
             "transfer_s": transfer, "load_s": load,
             "rest_of_step_s": max(total - start_imports - quorum_s - transfer - load, 0.0),
-            "python_start_s": ready["started"] - spawned, "survivor_gap_s": survivor_gap, **phases,
+            "python_start_s": ready["started"] - spawned, "start_imports_cpu_s": float(ready.get("cpu", 0.0)),
+            "survivor_gap_s": survivor_gap, **phases,
             "nbytes": float(heal.get("nbytes") or 0)}
 
 
@@ -217,7 +222,8 @@ def _torchft_restart(workdir: str, repeats: int) -> dict[str, Any]:
             quorum_s = heal.get("quorum_time", ready["time"]) - ready["time"]
             transfer, load = float(heal.get("transfer_s", 0.0)), float(heal.get("load_s", 0.0))
             samples.append({"killed_at": killed_at, "total_s": total, "python_start_s": ready["started"] - victim.spawned_at,
-                            "start_imports_s": start_imports, "quorum_s": quorum_s, "transfer_s": transfer,
+                            "start_imports_s": start_imports, "start_imports_cpu_s": float(ready.get("cpu", 0.0)),
+                            "quorum_s": quorum_s, "transfer_s": transfer,
                             "load_s": load, "rest_of_step_s": max(total - start_imports - quorum_s - transfer - load, 0.0),
                             "survivor_gap_s": max(_gap_after(g.commits(), killed_at) for g in survivors),
                             **_gap_phases([g.commits() for g in survivors], killed_at, ready["time"]),
@@ -232,6 +238,69 @@ def _torchft_restart(workdir: str, repeats: int) -> dict[str, Any]:
         procs.end_all()
         lighthouse.shutdown()
     return {"samples": samples}
+
+
+def _start_alone(workdir: str, repeats: int, torchft: bool) -> dict[str, dict[str, float]]:
+    """One group started with no other group running (nothing else on the cores but its lighthouse), ours and
+    torchft's alternating: seconds from spawn to its Manager being ready, and the CPU seconds it used until
+    then. Beside the restart above, this separates what a start costs from the cores the survivors take
+    meanwhile: ours keep training through a restart, torchft's wait for it."""
+    from conftest import Processes, child_env
+    from ft_harness import Group, read_jsonl, wait_until
+
+    from ft_core.control.lighthouse import LighthouseServer
+
+    def ready_row(path: str) -> dict[str, Any] | None:
+        return next((r for r in read_jsonl(path) if r.get("event") == "ready"), None) if os.path.exists(path) else None
+
+    def ours(n: int) -> dict[str, float]:
+        with LighthouseServer(min_replicas=1) as lighthouse:
+            group = Group(procs, workdir, 100 + n, 1, lighthouse.address(),
+                          args=["--steps", "1000000", "--timeout", "10", "--no-step-digest", *MODEL_ARGS])
+            group.start()
+            path = group.path("steps.jsonl", rank="0")
+            wait_until(lambda: ready_row(path) is not None, 120, "a group started alone", [group])
+            group.proc.kill()
+            group.proc.wait(30)
+            row = ready_row(path)
+            return {"ready_s": row["time"] - group.spawned_at, "cpu_s": float(row["cpu"])}
+
+    def theirs(n: int) -> dict[str, float]:
+        import subprocess
+
+        from torchft._torchft import LighthouseServer as TorchftLighthouse
+
+        lighthouse = TorchftLighthouse(bind="127.0.0.1:0", min_replicas=1)
+        try:
+            path = os.path.join(workdir, f"torchft.alone.{n}.jsonl")
+            spawned = time.time()
+            proc = procs.spawn([sys.executable, os.path.join(REPO_ROOT, "benchmarks", "_torchft_train.py"),
+                                "--lighthouse", f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}",
+                                "--replica-id", f"torchft_alone_{n}", "--step-log", path],
+                               env=child_env(RUST_LOG="error"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            deadline = time.monotonic() + 120
+            while ready_row(path) is None:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"torchft's group started alone did not get ready (exit code {proc.poll()})")
+                time.sleep(0.01)
+            proc.kill()
+            proc.wait(30)
+            row = ready_row(path)
+            return {"ready_s": row["time"] - spawned, "cpu_s": float(row["cpu"])}
+        finally:
+            lighthouse.shutdown()
+
+    procs = Processes()
+    samples: dict[str, list[dict[str, float]]] = {"ours": [], "torchft": []}
+    try:
+        for n in range(repeats):
+            samples["ours"].append(ours(n))
+            if torchft:
+                samples["torchft"].append(theirs(n))
+    finally:
+        procs.end_all()
+    return {impl: {key: statistics.median(s[key] for s in rows) for key in ("ready_s", "cpu_s")} | {"repeats": len(rows)}
+            for impl, rows in samples.items() if rows}
 
 
 def _vote_cost(quick: bool) -> dict[str, Any]:
@@ -368,8 +437,9 @@ def run(quick: bool = False, throughput: bool = False, torchft: bool = True,
     with tempfile.TemporaryDirectory(prefix="ft-heal-") as workdir:
         restart = _restart_once(workdir, 1 if quick else 3)
     samples = restart["samples"]
-    keys = ["total_s", "python_start_s", "start_imports_s", "quorum_s", "transfer_s", "load_s", "rest_of_step_s",
-            "survivor_gap_s", "survivor_gap_kill_s", "survivor_gap_rejoin_s", "survivor_step_s"]
+    keys = ["total_s", "python_start_s", "start_imports_s", "start_imports_cpu_s", "quorum_s", "transfer_s",
+            "load_s", "rest_of_step_s", "survivor_gap_s", "survivor_gap_kill_s", "survivor_gap_rejoin_s",
+            "survivor_step_s"]
     out["restart"] = {k: statistics.median(s[k] for s in samples) for k in keys}
     out["restart"]["nbytes"] = samples[0]["nbytes"]
     out["restart"]["survivor_gap_whole_run_s"] = restart["survivor_gap_s"]
@@ -378,6 +448,8 @@ def run(quick: bool = False, throughput: bool = False, torchft: bool = True,
         warm = _restart_once(workdir, 1 if quick else 3, warm=True)["samples"]
     out["restart_warm"] = {k: statistics.median(s[k] for s in warm) for k in keys}
     out["restart_warm"]["repeats"] = len(warm)
+    with tempfile.TemporaryDirectory(prefix="ft-heal-alone-") as workdir:
+        out["start_alone"] = _start_alone(workdir, 2 if quick else 3, torchft and _harness.torchft_available())
     out["vote"] = _vote_cost(quick)
     out["targets"] = {"total_s": 2.5, "survivor_gap_s": 0.5}
     out["reference"] = {"total_s": 5.1, "survivor_gap_s": 5.2}
@@ -440,6 +512,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, value, target in rows:
         table.add_row(name, f"{value:.3f}", target)
     console.print(table)
+    console.print(f"the restarted process's CPU until its Manager was ready: {r['start_imports_cpu_s']:.3f} s "
+                  f"(its wall time {r['start_imports_s']:.3f} s, beside the survivors)")
+    for impl, alone in result["start_alone"].items():
+        console.print(f"{impl}, a group started alone (median of {alone['repeats']}): ready {alone['ready_s']:.3f} s "
+                      f"after spawn, {alone['cpu_s']:.3f} s of CPU")
     w = result["restart_warm"]
     console.print(f"with a warm spare (ftl launch --spares; median of {w['repeats']}): restart to first commit "
                   f"{w['total_s']:.3f} s (activation + Manager ready {w['start_imports_s']:.3f}, quorum "
@@ -447,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     if "total_s" in result["torchft"]:
         t = result["torchft"]
         console.print(f"torchft (same harness, median of {t['repeats']}): restart to first commit {t['total_s']:.3f} s "
-                      f"(start+imports {t['start_imports_s']:.3f}, quorum {t['quorum_s']:.3f}, transfer "
+                      f"(start+imports {t['start_imports_s']:.3f}, CPU {t['start_imports_cpu_s']:.3f}, quorum {t['quorum_s']:.3f}, transfer "
                       f"{t['transfer_s']:.3f}, load {t['load_s']:.3f}); survivors' gap {t['survivor_gap_s']:.3f} s "
                       f"(before the restart was ready {t['survivor_gap_kill_s']:.3f}, after {t['survivor_gap_rejoin_s']:.3f})")
     v = result["vote"]

@@ -173,6 +173,13 @@ def _failure_rows(failure: dict) -> list[list[str]]:
         rows.append(["killed group: restart to first commit, warm spare (`ftl launch --spares`)", f"<= {RESTART_S:g} s",
                      _fmt(warm["total_s"], " s") + _mark(warm["total_s"], RESTART_S), _fmt(ref.get("total_s"), " s"),
                      NA, _ratio(warm["total_s"], ref.get("total_s")), "torchft: no spares (cold restart)"])
+    alone = failure.get("start_alone") or {}
+    if "ours" in alone:
+        a, b = alone["ours"], alone.get("torchft", {})
+        rows.append(["a group started alone: spawn to Manager ready (CPU)", "(reported)",
+                     f"{a['ready_s']:.2f} s ({a['cpu_s']:.2f})",
+                     f"{b['ready_s']:.2f} s ({b['cpu_s']:.2f})" if b else NA, NA,
+                     _ratio(a["ready_s"], b.get("ready_s")), NA])
     lost = failure.get("lost_steps")
     if isinstance(lost, dict):
         for mode, entry in lost.items():
@@ -303,6 +310,9 @@ def _failure(res: dict) -> list[str]:
     warm = res.get("restart_warm") or {}
     rows = [[name, _fmt(ours.get(key), " s"), _fmt(warm.get(key), " s"), _fmt(ref.get(key), " s")]
             for key, name in PHASES]
+    if "start_imports_cpu_s" in ours:  # runs before 2026-12-05 (session 19) did not record it
+        rows.insert(1, ["- the restarted process's CPU until then", _fmt(ours["start_imports_cpu_s"], " s"), NA,
+                        _fmt(ref.get("start_imports_cpu_s"), " s")])
     rows.append(["**restart to first commit**", _fmt(ours["total_s"], " s"), _fmt(warm.get("total_s"), " s"),
                  _fmt(ref.get("total_s"), " s")])
     rows.append(["**survivors' longest commit gap**", _fmt(ours["survivor_gap_s"], " s"),
@@ -319,6 +329,14 @@ def _failure(res: dict) -> list[str]:
     lines += _table(["phase", "ours, cold", "ours, warm spare", "torchft"], rows)
     if "skipped" in ref:
         lines += [f"torchft: {ref['skipped']}.", ""]
+    alone = res.get("start_alone") or {}
+    if alone:
+        said = "; ".join(f"{'ours' if impl == 'ours' else 'torchft'} ready {a['ready_s']:.2f} s after spawn, "
+                         f"{a['cpu_s']:.2f} s of CPU" for impl, a in alone.items())
+        lines += [f"The same group started with no other group running (its lighthouse only; median of "
+                  f"{next(iter(alone.values()))['repeats']}, alternating): {said}. Ours restarts beside survivors "
+                  "that keep training on the same cores; torchft's survivors wait for its restart (their gap above).",
+                  ""]
     vote = res.get("vote")
     if vote:
         lines += [f"Commit vote (`should_commit`, 1 rank per group) in steady state: p50 {vote['p50_ms']:.3f} ms, "

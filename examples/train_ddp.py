@@ -274,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"group {replica_group_id} rank {rank}/{world_size}: ready in {time.time() - STARTED:.2f}s "
           f"(replica_id {manager.replica_id})", flush=True)
     if step_log:
-        step_log.write(json.dumps({"event": "ready", "time": time.time(), "started": STARTED}) + "\n")
+        step_log.write(json.dumps({"event": "ready", "time": time.time(), "started": STARTED,
+                                   "cpu": time.process_time()}) + "\n")
 
     epoch = 0
     while manager.current_step() < stop_step(args):
