@@ -83,7 +83,8 @@ def run_core(args: argparse.Namespace, group: int) -> None:
     pg = ProcessGroupGloo(timeout=timedelta(seconds=20))
     manager = Manager(pg, load_state_dict=model.load_state_dict, state_dict=model.state_dict, replica_id=str(group),
                       rank=rank, world_size=world_size, timeout=timedelta(seconds=20),
-                      quorum_timeout=timedelta(seconds=30), connect_timeout=timedelta(seconds=30))
+                      quorum_timeout=timedelta(seconds=30), connect_timeout=timedelta(seconds=30),
+                      use_async_quorum=not args.sync_quorum)
     if args.torchft_wrapper:
         issue = manager.allreduce
 
@@ -102,7 +103,7 @@ def run_core(args: argparse.Namespace, group: int) -> None:
             x, y = batch(group, rank, step)
             local = own_gradient(model, [(x, y)])
             loss = F.cross_entropy(ddp(x), y)
-            if args.plain_backward:
+            if args.plain_backward or (args.mix_backward and (step + group) % 2):
                 loss.backward()
             else:
                 ddp.backward(loss)
@@ -213,6 +214,9 @@ def main() -> int:
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--plain-backward", action="store_true")
     p.add_argument("--torchft-wrapper", action="store_true")
+    p.add_argument("--sync-quorum", action="store_true", help="core: the quorum (and any heal) before the forward")
+    p.add_argument("--mix-backward", action="store_true",
+                   help="core: a plain loss.backward() on the steps where step + group is odd, ddp.backward else")
     args = p.parse_args()
     group = int(os.environ["REPLICA_GROUP_ID"])
     {"core": run_core, "fabric": run_fabric, "accelerate": run_accelerate, "lightning": run_lightning}[args.api](

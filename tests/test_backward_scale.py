@@ -60,9 +60,12 @@ def assert_reduced_is_the_mean(rows: list[dict[str, Any]], groups: int, ranks: i
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("groups, nproc, extra", [(3, 1, []), (3, 1, ["--plain-backward"]), (2, 2, []),
-                                                  (2, 2, ["--plain-backward"]), (2, 2, ["--torchft-wrapper"])],
+                                                  (2, 2, ["--plain-backward"]), (2, 2, ["--torchft-wrapper"]),
+                                                  (3, 1, ["--sync-quorum", "--mix-backward"]),
+                                                  (2, 2, ["--sync-quorum", "--mix-backward"])],
                          ids=["3-groups", "3-groups-plain-backward", "2-groups-of-2-ranks",
-                              "2-groups-of-2-ranks-plain-backward", "2-groups-of-2-ranks-torchft-wrapper"])
+                              "2-groups-of-2-ranks-plain-backward", "2-groups-of-2-ranks-torchft-wrapper",
+                              "3-groups-sync-quorum-paths-mixed", "2-groups-of-2-ranks-sync-quorum-paths-mixed"])
 def test_the_core_api_s_backward_gives_every_rank_the_mean_gradient(processes, tmp_path, groups, nproc, extra):
     rows = run_groups(processes, tmp_path, groups, "core", *extra, nproc=nproc)
     assert_reduced_is_the_mean(rows, groups, nproc, min_steps=4)

@@ -17,13 +17,13 @@ from urllib.parse import urlsplit
 
 from ft_core.checkpointing import serialization as ser
 from ft_core.checkpointing.wire import MAX_ERROR_BODY, PIECE_BYTES, SOCKET_BUFFER_BYTES
+from ft_core.control.rpc import backoff_delays, client_ssl_context
+from ft_core.errors import AuthError, CheckpointError, FTTimeoutError
 
 # How long a healer asks again while its source answers with another step (400): a source serves its last
 # step to that step's healers for their deadline, so a healer of the next quorum can ask just before its
 # source staged the new step. A source that truly serves another step fails the healer after this.
 OTHER_STEP_GRACE_S = 2.0
-from ft_core.control.rpc import backoff_delays, client_ssl_context
-from ft_core.errors import AuthError, CheckpointError, FTTimeoutError
 
 
 class _Connection(http.client.HTTPConnection):
