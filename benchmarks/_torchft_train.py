@@ -97,7 +97,8 @@ def main() -> None:
                       timeout=timeout, checkpoint_transport=transport)
     ddp = DistributedDataParallel(manager, model)
     optimizer = Optimizer(manager, inner)
-    log.write(json.dumps({"event": "ready", "time": time.time(), "started": STARTED, "cpu": time.process_time()}) + "\n")
+    log.write(json.dumps({"event": "ready", "time": time.time(), "started": STARTED,
+                          "cpu": time.process_time()}) + "\n")
 
     gen = torch.Generator().manual_seed(1234)
     features = torch.randn(256, 1024, generator=gen)

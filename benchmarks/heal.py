@@ -278,11 +278,10 @@ def _start_alone(workdir: str, repeats: int, torchft: bool) -> dict[str, dict[st
                                 "--lighthouse", f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}",
                                 "--replica-id", f"torchft_alone_{n}", "--step-log", path],
                                env=child_env(RUST_LOG="error"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            deadline = time.monotonic() + 120
-            while ready_row(path) is None:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"torchft's group started alone did not get ready (exit code {proc.poll()})")
-                time.sleep(0.01)
+            wait_until(lambda: ready_row(path) is not None or proc.poll() is not None, 120,
+                       "torchft's group started alone")
+            if ready_row(path) is None:
+                raise RuntimeError(f"torchft's group started alone exited with {proc.returncode} before it was ready")
             proc.kill()
             proc.wait(30)
             row = ready_row(path)
@@ -299,7 +298,8 @@ def _start_alone(workdir: str, repeats: int, torchft: bool) -> dict[str, dict[st
                 samples["torchft"].append(theirs(n))
     finally:
         procs.end_all()
-    return {impl: {key: statistics.median(s[key] for s in rows) for key in ("ready_s", "cpu_s")} | {"repeats": len(rows)}
+    return {impl: {"ready_s": statistics.median(s["ready_s"] for s in rows),
+                   "cpu_s": statistics.median(s["cpu_s"] for s in rows), "repeats": len(rows)}
             for impl, rows in samples.items() if rows}
 
 
@@ -524,8 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     if "total_s" in result["torchft"]:
         t = result["torchft"]
         console.print(f"torchft (same harness, median of {t['repeats']}): restart to first commit {t['total_s']:.3f} s "
-                      f"(start+imports {t['start_imports_s']:.3f}, CPU {t['start_imports_cpu_s']:.3f}, quorum {t['quorum_s']:.3f}, transfer "
-                      f"{t['transfer_s']:.3f}, load {t['load_s']:.3f}); survivors' gap {t['survivor_gap_s']:.3f} s "
+                      f"(start+imports {t['start_imports_s']:.3f}, CPU {t['start_imports_cpu_s']:.3f}, quorum "
+                      f"{t['quorum_s']:.3f}, transfer {t['transfer_s']:.3f}, load {t['load_s']:.3f}); survivors' gap {t['survivor_gap_s']:.3f} s "
                       f"(before the restart was ready {t['survivor_gap_kill_s']:.3f}, after {t['survivor_gap_rejoin_s']:.3f})")
     v = result["vote"]
     console.print(f"commit vote (should_commit, 1 rank per group): p50 {v['p50_ms']:.3f} ms, p99 {v['p99_ms']:.3f} ms "

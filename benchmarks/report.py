@@ -331,7 +331,7 @@ def _failure(res: dict) -> list[str]:
         lines += [f"torchft: {ref['skipped']}.", ""]
     alone = res.get("start_alone") or {}
     if alone:
-        said = "; ".join(f"{'ours' if impl == 'ours' else 'torchft'} ready {a['ready_s']:.2f} s after spawn, "
+        said = "; ".join(f"{impl} ready {a['ready_s']:.2f} s after spawn, "
                          f"{a['cpu_s']:.2f} s of CPU" for impl, a in alone.items())
         lines += [f"The same group started with no other group running (its lighthouse only; median of "
                   f"{next(iter(alone.values()))['repeats']}, alternating): {said}. Ours restarts beside survivors "
