@@ -26,6 +26,10 @@ def worker(store_addr: str, rank: int, world: int, cls_name: str) -> None:
     host, rest = store_addr.split(":", 1)
     port = int(rest.split("/", 1)[0])
     progress = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+    # The first rendezvous has the op's 2 s deadline: start it once every worker has imported torch (on a busy
+    # machine the imports end seconds apart, and the first one to configure timed out waiting for the last).
+    progress.set(f"imported/{rank}", "1")
+    progress.wait([f"imported/{r}" for r in range(world)], timedelta(seconds=60))
     group = getattr(pgs, cls_name)(timeout=timedelta(seconds=TIMEOUT_S))
     group.configure(f"{store_addr}/q1", f"r{rank}", rank, world, quorum_id=1)
     big = torch.ones(4_000_000)
