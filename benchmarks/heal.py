@@ -154,19 +154,28 @@ def _gap_after(commits: list[dict[str, Any]], since: float) -> float:
     return max((b - a for a, b in zip(seq, seq[1:])), default=0.0)
 
 
+def _spawn_torchft(procs: Any, lighthouse: Any, replica_id: str, step_log: str, *extra: str, **kwargs: Any) -> Any:
+    """One group of torchft's worker (benchmarks/_torchft_train.py) on `lighthouse`, addressed by 127.0.0.1
+    (it reports a host name, and lookups can stall here)."""
+    from conftest import child_env
+
+    address = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"
+    return procs.spawn([sys.executable, os.path.join(REPO_ROOT, "benchmarks", "_torchft_train.py"), "--lighthouse",
+                        address, "--replica-id", replica_id, "--step-log", step_log, *extra],
+                       env=child_env(RUST_LOG="error"), **kwargs)
+
+
 def _torchft_restart(workdir: str, repeats: int) -> dict[str, Any]:
     """The same failure with Meta's torchft (benchmarks/_torchft_train.py), its defaults as they are:
     its lighthouse drops a dead member only after its heartbeat timeout (5 s)."""
     import subprocess
 
-    from conftest import Processes, child_env
+    from conftest import Processes
     from ft_harness import read_jsonl, wait_until
     from torchft._torchft import LighthouseServer as TorchftLighthouse
 
-    script = os.path.join(REPO_ROOT, "benchmarks", "_torchft_train.py")
     procs = Processes()
     lighthouse = TorchftLighthouse(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=2000)
-    address = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"  # it reports a host name
     stop_file = os.path.join(workdir, "torchft.stop")
 
     class TorchftGroup:
@@ -183,10 +192,9 @@ def _torchft_restart(workdir: str, repeats: int) -> dict[str, Any]:
                 os.remove(self.kill_file)
             self.spawned_at = time.time()
             with open(os.path.join(workdir, f"torchft.g{self.group_id}.i{self.incarnation}.out"), "w") as out:
-                self.proc = procs.spawn([sys.executable, script, "--lighthouse", address, "--replica-id",
-                                         f"torchft_{self.group_id}", "--step-log", self.log(), "--kill-file",
-                                         self.kill_file, "--stop-file", stop_file], env=child_env(RUST_LOG="error"),
-                                        stdout=out, stderr=subprocess.STDOUT)  # the child keeps its own copy
+                self.proc = _spawn_torchft(procs, lighthouse, f"torchft_{self.group_id}", self.log(), "--kill-file",
+                                           self.kill_file, "--stop-file", stop_file, stdout=out,
+                                           stderr=subprocess.STDOUT)  # the child keeps its own copy
 
         def rows(self, incarnation: int | None = None) -> list[dict[str, Any]]:
             return read_jsonl(self.log(incarnation))
@@ -245,7 +253,7 @@ def _start_alone(workdir: str, repeats: int, torchft: bool) -> dict[str, dict[st
     torchft's alternating: seconds from spawn to its Manager being ready, and the CPU seconds it used until
     then. Beside the restart above, this separates what a start costs from the cores the survivors take
     meanwhile: ours keep training through a restart, torchft's wait for it."""
-    from conftest import Processes, child_env
+    from conftest import Processes
     from ft_harness import Group, read_jsonl, wait_until
 
     from ft_core.control.lighthouse import LighthouseServer
@@ -274,10 +282,8 @@ def _start_alone(workdir: str, repeats: int, torchft: bool) -> dict[str, dict[st
         try:
             path = os.path.join(workdir, f"torchft.alone.{n}.jsonl")
             spawned = time.time()
-            proc = procs.spawn([sys.executable, os.path.join(REPO_ROOT, "benchmarks", "_torchft_train.py"),
-                                "--lighthouse", f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}",
-                                "--replica-id", f"torchft_alone_{n}", "--step-log", path],
-                               env=child_env(RUST_LOG="error"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            proc = _spawn_torchft(procs, lighthouse, f"torchft_alone_{n}", path, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
             wait_until(lambda: ready_row(path) is not None or proc.poll() is not None, 120,
                        "torchft's group started alone")
             if ready_row(path) is None:
