@@ -9,8 +9,8 @@
     time from the restart (spawn) to its first commit into process start + imports (up to the
     Manager being ready), quorum, transfer, load and the rest of the step; and we report the
     survivors' longest gap between commits around the failure.
-    Targets (reported, not asserted): restart to first commit <= 2.5 s, survivors' gap <= 0.5 s;
-    the reference measured 5.1 s and 5.2 s on this kind of machine.
+    Targets (issue 15's, in benchmarks.targets; reported, not asserted): restart to first commit
+    <= 2.5 s, survivors' gap <= 0.2 s; the reference measured 5.1 s and 5.2 s on this kind of machine.
     Also the restarted process's CPU seconds until its Manager was ready, and the same group started with no
     other group running, ours and torchft's alternating (spawn to ready, and its CPU): our survivors keep
     training through a restart on the same cores, torchft's wait for it, so the restart alone shows what a
@@ -37,6 +37,7 @@ import time
 from typing import Any
 
 from benchmarks import _harness
+from benchmarks.targets import RESTART_S, SURVIVOR_GAP_S
 
 REPO_ROOT = _harness.REPO_ROOT
 sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))
@@ -457,7 +458,7 @@ def run(quick: bool = False, throughput: bool = False, torchft: bool = True,
     with tempfile.TemporaryDirectory(prefix="ft-heal-alone-") as workdir:
         out["start_alone"] = _start_alone(workdir, 2 if quick else 3, torchft and _harness.torchft_available())
     out["vote"] = _vote_cost(quick)
-    out["targets"] = {"total_s": 2.5, "survivor_gap_s": 0.5}
+    out["targets"] = {"total_s": RESTART_S, "survivor_gap_s": SURVIVOR_GAP_S}
     out["reference"] = {"total_s": 5.1, "survivor_gap_s": 5.2}
     if torchft and _harness.torchft_available():
         with tempfile.TemporaryDirectory(prefix="ft-heal-torchft-") as workdir:
@@ -509,9 +510,10 @@ def main(argv: list[str] | None = None) -> int:
             (f"transfer ({r['nbytes'] / 1e6:.1f} MB)", r["transfer_s"], ""),
             ("load", r["load_s"], ""),
             ("rest of the first step", r["rest_of_step_s"], ""),
-            ("restart to first commit", r["total_s"], "<= 2.5 / ref 5.1  ratio %.2fx" % (r["total_s"] / 5.1)),
+            ("restart to first commit", r["total_s"],
+             "<= %g / ref 5.1  ratio %.2fx" % (RESTART_S, r["total_s"] / 5.1)),
             ("survivors' longest commit gap (around the kill)", r["survivor_gap_s"],
-             "<= 0.5 / ref 5.2  ratio %.2fx" % (r["survivor_gap_s"] / 5.2)),
+             "<= %g / ref 5.2  ratio %.2fx" % (SURVIVOR_GAP_S, r["survivor_gap_s"] / 5.2)),
             ("  of which: before the restarted process was ready (the kill)", r["survivor_gap_kill_s"], ""),
             ("  of which: after it (its join and heal)", r["survivor_gap_rejoin_s"], ""),
             ("survivors' median step before the kill", r["survivor_step_s"], "")]

@@ -8,6 +8,16 @@ import os
 import re
 from typing import Any
 
+from benchmarks.targets import (
+    CAPACITY_FACTOR,
+    HEAL_GBPS,
+    LOST_STEPS_KILLS,
+    QUORUM_2,
+    RESTART_S,
+    STEP_RATIO,
+    SURVIVOR_GAP_S,
+)
+
 README_BEGIN = "<!-- results:begin -->"
 README_END = "<!-- results:end -->"
 NA = "–"
@@ -74,14 +84,6 @@ def _largest_size(transfer: dict) -> tuple[str, dict] | tuple[None, None]:
     return label, sizes[label]
 
 
-# Issue 15's targets (benchmarks only, never timed assertions in tests).
-STEP_RATIO = {"mlp3.7m": 1.05, "mlp25m": 1.02}  # healthy step / its own plain baseline, per model
-QUORUM_2 = {"p50_ms": 0.5, "p99_ms": 2.0}  # steady quorum with 2 groups, raw client calls
-CAPACITY_FACTOR = 2.0  # lighthouse capacity >= 2x torchft's in the same run
-SURVIVOR_GAP_S = 0.2
-RESTART_S = 2.5
-HEAL_GBPS = 4.0  # 1 GB heal transfer
-LOST_STEPS_KILLS = 10  # survivors' steps lost per SIGKILL: 0 in at least this many kills
 EXTRA_GROUPS = (128, 256, 384, 512)  # also reported where measured
 
 
