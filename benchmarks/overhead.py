@@ -24,7 +24,6 @@ LABELS = {"ddp": "torch DDP", "ft": "ours, core API", "ft_plain": "ours, core AP
           "torchft": "torchft", "lightning_ddp": "Lightning DDP", "lightning_ft": "ours, Lightning",
           "accelerate_ddp": "Accelerate DDP", "accelerate_ft": "ours, Accelerate"}
 ALL_MODES = ("ddp", "ft", "ft_plain", "torchft", "lightning_ddp", "lightning_ft", "accelerate_ddp", "accelerate_ft")
-TARGET_RATIO = targets.STEP_RATIO  # issue 15: each against its own plain baseline
 REFERENCE = "torchft 1.45x plain DDP (107.8 vs 74.1 ms, 3.68M-param MLP, batch 32), as measured for the issue"
 
 
@@ -102,7 +101,7 @@ def run(quick: bool = False, models: tuple[str, ...] | None = None, modes: tuple
         if mode in BASELINE and BASELINE[mode] not in modes:
             raise ValueError(f"mode {mode} needs its baseline {BASELINE[mode]} in the same run")
     results: dict = {"torchft_installed": torchft, "modes": list(modes), "labels": LABELS, "baseline": BASELINE,
-                     "target_ratio": TARGET_RATIO, "reference": REFERENCE, "models": {}}
+                     "target_ratio": targets.STEP_RATIO, "reference": REFERENCE, "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for model in models:
             planned, steps, warmup = plan.get(model, plan["mlp3.7m"])
