@@ -26,11 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from ft_core import freeze_startup_objects
+from ft_core import freeze_startup_objects, metrics, net, redo
 from ft_core import futures as ft_futures
-from ft_core import metrics
-from ft_core import net
-from ft_core import redo
 from ft_core import step_rules as rules
 from ft_core.checkpointing import HTTPTransport
 from ft_core.buffers import broadcast_by_sum
@@ -249,12 +246,13 @@ class Manager:
                 raise FTTimeoutError(f"{self._prefix()} quorum (and healing) did not finish within {bound:.3g}s")
         return fut.exception()
 
-    def _quorum_call(self, shrink_only: bool, timeout_s: float) -> QuorumResult:
+    def _quorum_call(self, shrink_only: bool, timeout_s: float, redo_quorum_id: int = 0) -> QuorumResult:
+        """This rank's quorum request; a redo names the attempt it redoes (QuorumMember.redo_quorum_id)."""
         cfg = self.config  # rebuild: a broken process group gets a fresh quorum id (QuorumMember.rebuild)
         args = dict(group_rank=cfg.group_rank, step=self._state.step, checkpoint_metadata=self._transport.metadata(),
                     shrink_only=shrink_only, timeout=timedelta(seconds=timeout_s), init_sync=cfg.init_sync,
                     commit_failures=self._state.commit_failures, commit_quorum_id=self._state.commit_quorum_id,
-                    rebuild=self._state.quorum_id < 0)
+                    rebuild=self._state.quorum_id < 0, redo_quorum_id=redo_quorum_id)
         if self._server is not None:
             return self._server.quorum_local(**args)
         return self._client.quorum(**args)
@@ -265,7 +263,8 @@ class Manager:
         result = self._quorum_call(shrink_only, timeout_s)  # errors propagate to wait_quorum
         quorum_s = time.perf_counter() - started
         plan = self._round = self._plan(result, allow_heal)
-        world, self._redo.quorum_ids = plan.num_participants, tuple(result.replica_ids)
+        world = plan.num_participants
+        self._redo.quorum_ids, self._redo.quorum_id = tuple(result.replica_ids), result.quorum_id  # the attempt
         notable = bool(plan.reconfigure or plan.heal or plan.send_to)  # else routine: logged at DEBUG only
         if notable:
             logger.info("%s quorum %d: replica rank %d/%d, participants %d, max_step %d, heal=%s, sends to %s",

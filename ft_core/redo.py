@@ -123,6 +123,7 @@ class ReductionLog:
         self.other_errors = False  # an error that is not a lost peer or failed collective was recorded
         self.allow_heal = True
         self.quorum_ids: tuple[str, ...] = ()  # the replica ids of this step's quorum
+        self.quorum_id = 0  # the id of this step's quorum: the attempt a redo names (QuorumMember.redo_quorum_id)
         self.lost: set[str] = set()  # replica ids the lighthouse said were lost during this step
         self.state = WaitState.IDLE
         self.lock = threading.RLock()  # at the wait: records, state and deliveries
@@ -486,9 +487,9 @@ def _redo_quorum(m: "Manager", old_ids: tuple[str, ...]) -> tuple[rules.RedoRole
     (also when abandoning, so the peers' rebuild does not wait for us to its timeout), and stage our state
     for the groups it says heal from us (then we abandon: else they wait for it to their heal timeout, and
     our next quorum waits for them)."""
-    result = m._quorum_call(True, m._quorum_timeout_s)
+    result = m._quorum_call(True, m._quorum_timeout_s, redo_quorum_id=m._redo.quorum_id)
     plan = m._plan(result, m._redo.allow_heal)
-    role = rules.redo_role(m._state, result, old_ids)
+    role = rules.redo_role(m._state, result, old_ids, m._redo.quorum_id)
     logger.info("%s redo quorum %d: %s, participants %d of %s", m._prefix(), result.quorum_id, role.value,
                 plan.num_participants, list(result.replica_ids))
     m._round = plan if role is rules.RedoRole.REPLAY else m._round

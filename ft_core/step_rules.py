@@ -304,14 +304,18 @@ def survivors_can_commit(old_replica_ids: tuple[str, ...], lost: frozenset[str] 
     return min(len(survivors), len(old_replica_ids) - 1) >= min_replica_size
 
 
-def redo_role(state: StepState, result: QuorumResult, old_replica_ids: tuple[str, ...]) -> RedoRole:
+def redo_role(state: StepState, result: QuorumResult, old_replica_ids: tuple[str, ...],
+              attempt_quorum_id: int) -> RedoRole:
     """Replay only when the new quorum is exactly survivors of the old one, all at this step on one fork,
-    none healing, and none has counted a failure this group has not (a group that counted one gave up
-    on the step and runs a fresh one: its collectives would pair with our replay). Anything else is
-    abandoned: the step fails as it would without redo, and the next quorum heals as usual."""
+    none healing, and every member redoes this very attempt (`result.redo_quorum_id`, the quorum id every
+    member named in its request, is the id of the quorum this group's attempt ran in). A member that gave up
+    on the attempt runs a fresh one of the same step: its collectives would pair with our replay, so the
+    groups would apply different updates. Failure counts cannot tell them apart (they differ from group to
+    group by history). Anything else is abandoned: the step fails as it would without redo, and the next
+    quorum heals as usual."""
     survivors = set(result.replica_ids) <= set(old_replica_ids)
     same_step = result.max_step == state.step and result.max_world_size == result.replica_world_size
-    if survivors and same_step and not result.heal and result.max_replica_rank is not None \
-            and result.commit_failures <= state.commit_failures:
+    same_attempt = attempt_quorum_id > 0 and result.redo_quorum_id == attempt_quorum_id
+    if survivors and same_step and same_attempt and not result.heal and result.max_replica_rank is not None:
         return RedoRole.REPLAY
     return RedoRole.ABANDON

@@ -278,3 +278,64 @@ def test_where_a_step_that_lost_a_peer_is_redone(monkeypatch, env, ranks, where)
     cfg = resolve(None, None, ranks)
     assert (cfg.at_wait, cfg.at_vote) == (where == "wait", where == "vote"), cfg
     assert cfg.enabled == (where != "off")
+
+
+@pytest.mark.timeout(60)
+def test_a_redo_replays_only_when_every_member_of_its_quorum_redoes_the_same_attempt() -> None:
+    """What the bounded chaos run of 2026-12-06 found (seed 20793, 1 rank, async, skipped steps and failed
+    heal loads): group 1 lost its step's collectives and redid it, while groups 0 and 2 had given up on that
+    attempt and started a fresh one of the same step. The redo quorum held the same three groups at the same
+    step, and no member counted more failures than group 1 (each had failed twice, for other reasons), so
+    group 1 replayed its old gradients into their fresh reduction: every group committed the step, group 1
+    with other parameters than the others. Each member now names the attempt it redoes in its quorum request,
+    and a redo replays only when every member names its own attempt.
+
+    Real lighthouse, two groups of two ranks: rank 0 calls its manager server in process, rank 1 through a
+    ManagerClient (the protobuf path a remote rank takes)."""
+    from datetime import timedelta
+
+    from conftest import run_calls
+
+    from ft_core import step_rules as rules
+    from ft_core.control.manager_client import ManagerClient
+    from ft_core.control.manager_server import ManagerServer
+
+    timeout = timedelta(seconds=20)
+    with LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=60_000, heartbeat_timeout_ms=30_000,
+                          http_bind=None) as lighthouse, \
+            ManagerServer("0:a", lighthouse.address(), world_size=2) as group0, \
+            ManagerServer("1:b", lighthouse.address(), world_size=2) as group1, \
+            ManagerClient(group0.address()) as remote0, ManagerClient(group1.address()) as remote1:
+        assert group0.wait_heartbeat_connected(10) and group1.wait_heartbeat_connected(10)
+
+        def round_of(redo0: tuple[int, int], redo1: tuple[int, int], failures: int = 2) -> list[Any]:
+            """One quorum round at step 7; redoN: the attempt each rank of group N redoes (0: none)."""
+            kw = dict(commit_failures=failures, rebuild=failures > 0)
+            calls = [lambda: group0.quorum_local(0, 7, "", redo0[0] > 0, timeout, redo_quorum_id=redo0[0], **kw),
+                     lambda: remote0.quorum(1, 7, "", redo0[1] > 0, timeout, redo_quorum_id=redo0[1], **kw),
+                     lambda: group1.quorum_local(0, 7, "", redo1[0] > 0, timeout, redo_quorum_id=redo1[0], **kw),
+                     lambda: remote1.quorum(1, 7, "", redo1[1] > 0, timeout, redo_quorum_id=redo1[1], **kw)]
+            results = [r for r, _ in run_calls(calls)]
+            assert all(not isinstance(r, Exception) for r in results), results
+            assert len({r.quorum_id for r in results}) == 1 and sorted(results[0].replica_ids) == ["0:a", "1:b"]
+            return results
+
+        attempt = round_of((0, 0), (0, 0), failures=0)[0].quorum_id
+        ids = ("0:a", "1:b")
+        state = rules.StepState(step=7, commit_failures=2, quorum_id=-1)  # both groups have failed twice before
+
+        # Group 0 redoes the attempt; group 1 gave up on it and runs a fresh one, with as many failures.
+        mixed = round_of((attempt, attempt), (0, 0))
+        assert [r.redo_quorum_id for r in mixed] == [0] * 4, mixed
+        assert rules.redo_role(state, mixed[0], ids, attempt) is rules.RedoRole.ABANDON
+        assert rules.redo_role(state, mixed[1], ids, attempt) is rules.RedoRole.ABANDON
+
+        # One rank of group 1 does not redo it: the group does not (its ranks would issue other collectives).
+        split = round_of((attempt, attempt), (attempt, 0))
+        assert [r.redo_quorum_id for r in split] == [0] * 4, split
+
+        # Both groups redo the same attempt: every rank, local or remote, is told so and replays.
+        both = round_of((attempt, attempt), (attempt, attempt))
+        assert [r.redo_quorum_id for r in both] == [attempt] * 4, both
+        assert all(rules.redo_role(state, r, ids, attempt) is rules.RedoRole.REPLAY for r in both)
+        assert rules.redo_role(state, both[0], ids, attempt + 1) is rules.RedoRole.ABANDON  # another attempt

@@ -247,33 +247,45 @@ def test_the_redoable_bit(name, enabled, redone, errored, peer_only, recoverable
                           recoverable=recoverable, participating=participating) is expected
 
 
-def redo_result(ids, *, max_step=5, max_world=None, heal=False, commit_failures=0, max_replica_rank=0):
+def redo_result(ids, *, max_step=5, max_world=None, heal=False, commit_failures=0, max_replica_rank=0, redo=1):
+    """The redo quorum's result; `redo`: the attempt every member redoes (0: some member does not), where this
+    group's attempt ran in quorum 1 (AT_Q1)."""
     res = result(quorum_id=2, world=len(ids), max_step=max_step, max_world=len(ids) if max_world is None else max_world,
                  heal=heal, max_replica_rank=max_replica_rank)
-    return QuorumResult(**{**res.__dict__, "replica_ids": list(ids), "commit_failures": commit_failures})
+    return QuorumResult(**{**res.__dict__, "replica_ids": list(ids), "commit_failures": commit_failures,
+                           "redo_quorum_id": redo})
 
 
 OLD = ("a", "b", "c")
 R, A = rules.RedoRole.REPLAY, rules.RedoRole.ABANDON
 REDO_ROLE_CASES = [
     # name, state, new quorum, expected
-    ("the survivors, all at this step: replay", AT_Q1, redo_result(("a", "b")), R),
+    ("the survivors, all redoing this attempt at this step: replay", AT_Q1, redo_result(("a", "b")), R),
     ("the same members (a failed collective, nobody lost): replay", AT_Q1, redo_result(OLD), R),
     ("a newcomer (a restarted group has a new id) would pair a fresh step with the replay", AT_Q1,
-     redo_result(("a", "b", "c2")), A),
+     redo_result(("a", "b", "c2"), redo=0), A),
     ("a peer committed the step (it is ahead): this group is behind, abandon and heal next quorum",
-     AT_Q1, redo_result(("a", "b"), max_step=6, max_world=1, max_replica_rank=None, heal=True), A),
-    ("a survivor is behind (it was healing): abandon", AT_Q1, redo_result(("a", "b"), max_world=1), A),
+     AT_Q1, redo_result(("a", "b"), max_step=6, max_world=1, max_replica_rank=None, heal=True, redo=0), A),
+    ("a survivor is behind (it was healing): abandon", AT_Q1, redo_result(("a", "b"), max_world=1, redo=0), A),
     ("a survivor counted a failure (it gave up and runs a fresh step): abandon", AT_Q1,
-     redo_result(("a", "b"), commit_failures=1), A),
-    ("everyone carries the same older failure count: replay", StepState(step=5, commit_failures=2, quorum_id=1),
-     redo_result(("a", "b"), commit_failures=2), R),
+     redo_result(("a", "b"), commit_failures=1, redo=0), A),
+    ("everyone redoes this attempt, all with the same older failure count: replay",
+     StepState(step=5, commit_failures=2, quorum_id=1), redo_result(("a", "b"), commit_failures=2), R),
+    # The bounded chaos run of 2026-12-06 (seed 20793): a group that had failed as often as ours gave up on the
+    # attempt and ran a fresh one; the old rule (no member counts more failures than we do) replayed into it.
+    ("a survivor gave up and runs a fresh attempt with as many failures as ours (other history): abandon",
+     StepState(step=5, commit_failures=2, quorum_id=-1), redo_result(("a", "b"), commit_failures=2, redo=0), A),
+    ("a survivor redoes another attempt of this step: abandon", AT_Q1, redo_result(("a", "b"), redo=7), A),
 ]
 
 
 @pytest.mark.parametrize("name,state,res,expected", REDO_ROLE_CASES, ids=[c[0] for c in REDO_ROLE_CASES])
 def test_the_role_in_the_redo_quorum(name, state, res, expected):
-    assert rules.redo_role(state, res, OLD) is expected
+    assert rules.redo_role(state, res, OLD, 1) is expected
+
+
+def test_a_group_that_redoes_no_attempt_never_replays():
+    assert rules.redo_role(AT_Q1, redo_result(("a", "b"), redo=0), OLD, 0) is A
 
 
 @pytest.mark.parametrize("old, lost, min_size, expected", [

@@ -32,7 +32,7 @@ def result_to_pb(result: QuorumResult) -> ft_pb2.ManagerQuorumResponse:
         recover_dst_replica_ranks=result.recover_dst_replica_ranks, store_address=result.store_address,
         max_step=result.max_step, max_world_size=result.max_world_size, replica_rank=result.replica_rank,
         replica_world_size=result.replica_world_size, heal=result.heal, commit_failures=result.commit_failures,
-        replica_ids=result.replica_ids)
+        replica_ids=result.replica_ids, redo_quorum_id=result.redo_quorum_id)
     if result.recover_src_replica_rank is not None:
         msg.recover_src_replica_rank = result.recover_src_replica_rank
     if result.max_replica_rank is not None:
@@ -49,7 +49,7 @@ def result_from_pb(msg: ft_pb2.ManagerQuorumResponse) -> QuorumResult:
         max_step=msg.max_step,
         max_replica_rank=msg.max_replica_rank if msg.HasField("max_replica_rank") else None,
         max_world_size=msg.max_world_size, heal=msg.heal, commit_failures=msg.commit_failures,
-        replica_ids=list(msg.replica_ids))
+        replica_ids=list(msg.replica_ids), redo_quorum_id=msg.redo_quorum_id)
 
 
 class ManagerClient:
@@ -100,12 +100,13 @@ class ManagerClient:
 
     def quorum(self, group_rank: int, step: int, checkpoint_metadata: str, shrink_only: bool,
                timeout: timedelta | float, init_sync: bool = True, commit_failures: int = 0,
-               commit_quorum_id: int = 0, rebuild: bool = False) -> QuorumResult:
+               commit_quorum_id: int = 0, rebuild: bool = False, redo_quorum_id: int = 0) -> QuorumResult:
         """Join the group's quorum as `group_rank`; returns this rank's recovery plan."""
         request = ft_pb2.ManagerQuorumRequest(group_rank=group_rank, step=step,
                                               checkpoint_metadata=checkpoint_metadata, shrink_only=shrink_only,
                                               init_sync=init_sync, commit_failures=commit_failures,
-                                              commit_quorum_id=commit_quorum_id, rebuild=rebuild)
+                                              commit_quorum_id=commit_quorum_id, rebuild=rebuild,
+                                              redo_quorum_id=redo_quorum_id)
         return result_from_pb(self._call(self._stub.Quorum, request, "Quorum", timeout, ft_pb2.ManagerQuorumResponse))
 
     def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: timedelta | float) -> bool:

@@ -1,6 +1,6 @@
 """The manager server's rounds: the Quorum calls of a group's ranks gathered for one lighthouse call, and the
-ShouldCommit votes of one step (the group's commit barrier). Plain records; ft_core.control.manager_server
-holds the locks and the logic."""
+ShouldCommit votes of one step (the group's commit barrier). Plain records, and how a round merges its ranks'
+redo; ft_core.control.manager_server holds the locks and the logic."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from ft_core.control.types import Quorum
 from ft_core.errors import FTError
 
-__all__ = ["CommitRound", "QuorumRound", "RankRequest"]
+__all__ = ["CommitRound", "QuorumRound", "RankRequest", "redo_quorum_id"]
 
 
 @dataclass
@@ -23,6 +23,7 @@ class RankRequest:
     deadline: float
     commit_quorum_id: int = 0
     rebuild: bool = False  # its process group is broken and no failure is counted yet (QuorumMember.rebuild)
+    redo_quorum_id: int = 0  # the step attempt it redoes (QuorumMember.redo_quorum_id)
 
 
 @dataclass
@@ -50,3 +51,10 @@ class CommitRound:
     redoable: dict[int, bool] = field(default_factory=dict)  # ranks that can redo the step (ft_core.redo)
     all_redoable: bool = False
     error: FTError | None = None
+
+
+def redo_quorum_id(requests: list[RankRequest]) -> int:
+    """The group's redo_quorum_id: the attempt its ranks redo when they all redo the same one, else 0 (a rank
+    that does not redo it would issue other collectives than the replay's)."""
+    ids = {r.redo_quorum_id for r in requests}
+    return ids.pop() if len(ids) == 1 else 0

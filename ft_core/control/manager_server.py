@@ -32,7 +32,7 @@ from ft_core import net, settings
 from ft_core.control import manager_service, rpc
 from ft_core.control.heartbeat_stream import release_stream_loop, stream_loop
 from ft_core.control.lighthouse_client import LighthouseClient, StreamUnavailable
-from ft_core.control.manager_rounds import CommitRound, QuorumRound, RankRequest
+from ft_core.control.manager_rounds import CommitRound, QuorumRound, RankRequest, redo_quorum_id
 from ft_core.control.manager_client import ManagerClient
 from ft_core.control.manager_server_config import ManagerServerConfig, resolve_config
 from ft_core.control.notices import NoticeHub
@@ -252,10 +252,10 @@ class ManagerServer:
 
     def quorum_local(self, group_rank: int, step: int, checkpoint_metadata: str, shrink_only: bool,
                      timeout: timedelta | float, init_sync: bool = True, commit_failures: int = 0,
-                     commit_quorum_id: int = 0, rebuild: bool = False) -> QuorumResult:
+                     commit_quorum_id: int = 0, rebuild: bool = False, redo_quorum_id: int = 0) -> QuorumResult:
         """Join this group's quorum round as `group_rank` and return that rank's plan (no gRPC hop)."""
         rnd, entry, timeout_s, lead = self._join_round(group_rank, step, checkpoint_metadata, shrink_only, timeout,
-                                                       commit_failures, commit_quorum_id, rebuild)
+                                                       commit_failures, commit_quorum_id, rebuild, redo_quorum_id)
         if lead:
             self._run_round(rnd)
         else:
@@ -264,7 +264,8 @@ class ManagerServer:
 
     def _join_round(self, group_rank: int, step: int, checkpoint_metadata: str, shrink_only: bool,
                     timeout: timedelta | float, commit_failures: int,
-                    commit_quorum_id: int, rebuild: bool = False) -> tuple[QuorumRound, RankRequest, float, bool]:
+                    commit_quorum_id: int, rebuild: bool = False,
+                    redo_quorum_id: int = 0) -> tuple[QuorumRound, RankRequest, float, bool]:
         """Validate a rank's Quorum call and add it to the round: (round, entry, timeout_s, lead?)."""
         self._check_rank("Quorum", group_rank)
         self._check_step("Quorum", step)
@@ -276,7 +277,8 @@ class ManagerServer:
                                           f"{MAX_CHECKPOINT_METADATA_BYTES} (it should be a transport address)")
         timeout_s = rpc.seconds(timeout)
         deadline = answer_by(timeout_s)
-        entry = RankRequest(group_rank, step, shrink_only, commit_failures, deadline, commit_quorum_id, rebuild)
+        entry = RankRequest(group_rank, step, shrink_only, commit_failures, deadline, commit_quorum_id, rebuild,
+                            redo_quorum_id)
         with self._cond:
             self._check_open("Quorum")
             self._checkpoint_metadata[group_rank] = checkpoint_metadata
@@ -357,7 +359,7 @@ class ManagerServer:
             last_quorum_id=self._last_quorum_id, last_quorum_replica_ids=self._last_quorum_replica_ids,
             unreachable=self._probe_peers(commit_failures, deadline) if probe else (),
             commit_quorum_id=min(r.commit_quorum_id for r in requests),  # the oldest fork of any rank
-            rebuild=any(r.rebuild for r in requests)), None, deadline
+            rebuild=any(r.rebuild for r in requests), redo_quorum_id=redo_quorum_id(requests)), None, deadline
 
     def _needs_probe(self, rnd: QuorumRound) -> bool:
         """Whether this round's lighthouse request first probes peers (after a failed step): a blocking part."""

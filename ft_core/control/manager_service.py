@@ -79,7 +79,8 @@ async def quorum_call(server: Any, request: ft_pb2.ManagerQuorumRequest, timeout
     loop = asyncio.get_running_loop()
     rnd, entry, timeout_s, lead = server._join_round(request.group_rank, request.step, request.checkpoint_metadata,
                                                      request.shrink_only, timeout_s, request.commit_failures,
-                                                     request.commit_quorum_id, request.rebuild)
+                                                     request.commit_quorum_id, request.rebuild,
+                                                     request.redo_quorum_id)
     if not lead:
         await loop.run_in_executor(server._handlers, server._wait_round, rnd, entry, timeout_s)
     elif not await _run_round_here(server, rnd):

@@ -30,6 +30,7 @@ class QuorumResult:
     heal: bool = False
     commit_failures: int = 0
     replica_ids: list[str] = field(default_factory=list)
+    redo_quorum_id: int = 0  # the step attempt every member redoes (ft_core.redo); 0: some member does not
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class _Layout:
     healers: tuple[int, ...]
     healer_index: dict[str, int]
     commit_failures: int
+    redo_quorum_id: int  # every member's redo_quorum_id when they are all equal, else 0
     error: str  # why no group rank can use this quorum ("" when it can)
 
 
@@ -67,6 +69,7 @@ def _layout_of(quorum: Quorum, init_sync: bool) -> _Layout:
                  f"every group must run the same number of ranks, since rank r of each group reduces with "
                  f"rank r of the others; restart the odd group with the same number of processes")
     max_step = max(steps, default=0)
+    redo = roster.redo_quorum_ids
     # Groups at max_step are identical only if they committed it in the same quorum: a step committed
     # by a group alone (its peers' votes failed) and again by others later is a fork. The latest
     # quorum's fork is the one to keep; groups on an older one heal like groups behind.
@@ -82,7 +85,8 @@ def _layout_of(quorum: Quorum, init_sync: bool) -> _Layout:
         at_max_step=at_max_step, max_rank_of={ids[r]: i for i, r in enumerate(at_max_step)},
         sources=sources, source_index={ids[r]: i for i, r in enumerate(sources)},
         healers=healers, healer_index={ids[r]: i for i, r in enumerate(healers)},
-        commit_failures=max(roster.commit_failures, default=0), error=error)
+        commit_failures=max(roster.commit_failures, default=0),
+        redo_quorum_id=redo[0] if redo and redo.count(redo[0]) == len(redo) else 0, error=error)
 
 
 _LAYOUTS: dict[tuple[int, bool], tuple[Quorum, _Layout]] = {}  # by (id(quorum), init_sync); keeps the quorum alive
@@ -146,4 +150,5 @@ def compute_recovery_plan(replica_id: str, group_rank: int, quorum: Quorum, init
         heal=src is not None,
         commit_failures=layout.commit_failures,
         replica_ids=list(layout.ids),
+        redo_quorum_id=layout.redo_quorum_id,
     )

@@ -31,6 +31,7 @@ class QuorumMember:
     commit_quorum_id: int = 0  # quorum in which it committed its latest step (0: none): its fork
     last_quorum_replica_ids: tuple[str, ...] = ()  # members of quorum last_quorum_id (rule 10); not echoed back
     rebuild: bool = False  # its process group is broken with no failure counted yet (a redo): fresh quorum_id
+    redo_quorum_id: int = 0  # the quorum id of the step attempt it redoes (ft_core.redo; 0: not a redo)
 
     # Spelled out field by field: these run for every member of every quorum on both sides of the
     # wire, and reflection (dataclasses.fields) made them the control plane's hottest Python code.
@@ -40,7 +41,8 @@ class QuorumMember:
                                    shrink_only=self.shrink_only, data=self.data,
                                    commit_failures=self.commit_failures, last_quorum_id=self.last_quorum_id,
                                    unreachable=self.unreachable, commit_quorum_id=self.commit_quorum_id,
-                                   last_quorum_replica_ids=self.last_quorum_replica_ids, rebuild=self.rebuild)
+                                   last_quorum_replica_ids=self.last_quorum_replica_ids, rebuild=self.rebuild,
+                                   redo_quorum_id=self.redo_quorum_id)
 
     @classmethod
     def from_pb(cls, msg: ft_pb2.QuorumMember) -> "QuorumMember":
@@ -55,7 +57,8 @@ class QuorumMember:
                                commit_failures=msg.commit_failures, last_quorum_id=msg.last_quorum_id,
                                unreachable=tuple(unreachable[:]) if unreachable else (),
                                commit_quorum_id=msg.commit_quorum_id,
-                               last_quorum_replica_ids=tuple(reported[:]) if reported else (), rebuild=msg.rebuild)
+                               last_quorum_replica_ids=tuple(reported[:]) if reported else (), rebuild=msg.rebuild,
+                               redo_quorum_id=msg.redo_quorum_id)
         return member
 
     def without_last_quorum(self) -> "QuorumMember":
@@ -83,6 +86,7 @@ class Roster:
     world_sizes: tuple[int, ...]
     commit_quorum_ids: tuple[int, ...]
     commit_failures: tuple[int, ...]
+    redo_quorum_ids: tuple[int, ...]
 
     @classmethod
     def of(cls, members: Any) -> "Roster":
@@ -92,7 +96,8 @@ class Roster:
                    store_addresses=tuple([m.store_address for m in members]), steps=tuple([m.step for m in members]),
                    world_sizes=tuple([m.world_size for m in members]),
                    commit_quorum_ids=tuple([m.commit_quorum_id for m in members]),
-                   commit_failures=tuple([m.commit_failures for m in members]))
+                   commit_failures=tuple([m.commit_failures for m in members]),
+                   redo_quorum_ids=tuple([m.redo_quorum_id for m in members]))
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class QuorumMember(_message.Message):
-    __slots__ = ("replica_id", "address", "store_address", "step", "world_size", "shrink_only", "data", "commit_failures", "last_quorum_id", "unreachable", "commit_quorum_id", "last_quorum_replica_ids", "rebuild")
+    __slots__ = ("replica_id", "address", "store_address", "step", "world_size", "shrink_only", "data", "commit_failures", "last_quorum_id", "unreachable", "commit_quorum_id", "last_quorum_replica_ids", "rebuild", "redo_quorum_id")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class QuorumMember(_message.Message):
     COMMIT_QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
     LAST_QUORUM_REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
     REBUILD_FIELD_NUMBER: _ClassVar[int]
+    REDO_QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     store_address: str
@@ -34,7 +35,8 @@ class QuorumMember(_message.Message):
     commit_quorum_id: int
     last_quorum_replica_ids: _containers.RepeatedScalarFieldContainer[str]
     rebuild: bool
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., store_address: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., shrink_only: _Optional[bool] = ..., data: _Optional[str] = ..., commit_failures: _Optional[int] = ..., last_quorum_id: _Optional[int] = ..., unreachable: _Optional[_Iterable[str]] = ..., commit_quorum_id: _Optional[int] = ..., last_quorum_replica_ids: _Optional[_Iterable[str]] = ..., rebuild: _Optional[bool] = ...) -> None: ...
+    redo_quorum_id: int
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., store_address: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., shrink_only: _Optional[bool] = ..., data: _Optional[str] = ..., commit_failures: _Optional[int] = ..., last_quorum_id: _Optional[int] = ..., unreachable: _Optional[_Iterable[str]] = ..., commit_quorum_id: _Optional[int] = ..., last_quorum_replica_ids: _Optional[_Iterable[str]] = ..., rebuild: _Optional[bool] = ..., redo_quorum_id: _Optional[int] = ...) -> None: ...
 
 class Quorum(_message.Message):
     __slots__ = ("quorum_id", "participants", "created_unix_ms")
@@ -127,7 +129,7 @@ class LighthousePeerState(_message.Message):
     def __init__(self, lighthouse_id: _Optional[str] = ..., address: _Optional[str] = ..., live_members: _Optional[int] = ..., max_step: _Optional[int] = ..., quorum_id: _Optional[int] = ..., standing_by_for: _Optional[str] = ...) -> None: ...
 
 class ManagerQuorumRequest(_message.Message):
-    __slots__ = ("group_rank", "step", "checkpoint_metadata", "shrink_only", "init_sync", "commit_failures", "commit_quorum_id", "rebuild")
+    __slots__ = ("group_rank", "step", "checkpoint_metadata", "shrink_only", "init_sync", "commit_failures", "commit_quorum_id", "rebuild", "redo_quorum_id")
     GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +138,7 @@ class ManagerQuorumRequest(_message.Message):
     COMMIT_FAILURES_FIELD_NUMBER: _ClassVar[int]
     COMMIT_QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
     REBUILD_FIELD_NUMBER: _ClassVar[int]
+    REDO_QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
     group_rank: int
     step: int
     checkpoint_metadata: str
@@ -144,10 +147,11 @@ class ManagerQuorumRequest(_message.Message):
     commit_failures: int
     commit_quorum_id: int
     rebuild: bool
-    def __init__(self, group_rank: _Optional[int] = ..., step: _Optional[int] = ..., checkpoint_metadata: _Optional[str] = ..., shrink_only: _Optional[bool] = ..., init_sync: _Optional[bool] = ..., commit_failures: _Optional[int] = ..., commit_quorum_id: _Optional[int] = ..., rebuild: _Optional[bool] = ...) -> None: ...
+    redo_quorum_id: int
+    def __init__(self, group_rank: _Optional[int] = ..., step: _Optional[int] = ..., checkpoint_metadata: _Optional[str] = ..., shrink_only: _Optional[bool] = ..., init_sync: _Optional[bool] = ..., commit_failures: _Optional[int] = ..., commit_quorum_id: _Optional[int] = ..., rebuild: _Optional[bool] = ..., redo_quorum_id: _Optional[int] = ...) -> None: ...
 
 class ManagerQuorumResponse(_message.Message):
-    __slots__ = ("quorum_id", "recover_src_manager_address", "recover_src_replica_rank", "recover_dst_replica_ranks", "store_address", "max_step", "max_replica_rank", "max_world_size", "replica_rank", "replica_world_size", "heal", "commit_failures", "replica_ids")
+    __slots__ = ("quorum_id", "recover_src_manager_address", "recover_src_replica_rank", "recover_dst_replica_ranks", "store_address", "max_step", "max_replica_rank", "max_world_size", "replica_rank", "replica_world_size", "heal", "commit_failures", "replica_ids", "redo_quorum_id")
     QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
     RECOVER_SRC_MANAGER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RECOVER_SRC_REPLICA_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +165,7 @@ class ManagerQuorumResponse(_message.Message):
     HEAL_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FAILURES_FIELD_NUMBER: _ClassVar[int]
     REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
+    REDO_QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
     quorum_id: int
     recover_src_manager_address: str
     recover_src_replica_rank: int
@@ -174,7 +179,8 @@ class ManagerQuorumResponse(_message.Message):
     heal: bool
     commit_failures: int
     replica_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, quorum_id: _Optional[int] = ..., recover_src_manager_address: _Optional[str] = ..., recover_src_replica_rank: _Optional[int] = ..., recover_dst_replica_ranks: _Optional[_Iterable[int]] = ..., store_address: _Optional[str] = ..., max_step: _Optional[int] = ..., max_replica_rank: _Optional[int] = ..., max_world_size: _Optional[int] = ..., replica_rank: _Optional[int] = ..., replica_world_size: _Optional[int] = ..., heal: _Optional[bool] = ..., commit_failures: _Optional[int] = ..., replica_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    redo_quorum_id: int
+    def __init__(self, quorum_id: _Optional[int] = ..., recover_src_manager_address: _Optional[str] = ..., recover_src_replica_rank: _Optional[int] = ..., recover_dst_replica_ranks: _Optional[_Iterable[int]] = ..., store_address: _Optional[str] = ..., max_step: _Optional[int] = ..., max_replica_rank: _Optional[int] = ..., max_world_size: _Optional[int] = ..., replica_rank: _Optional[int] = ..., replica_world_size: _Optional[int] = ..., heal: _Optional[bool] = ..., commit_failures: _Optional[int] = ..., replica_ids: _Optional[_Iterable[str]] = ..., redo_quorum_id: _Optional[int] = ...) -> None: ...
 
 class CheckpointMetadataRequest(_message.Message):
     __slots__ = ("group_rank",)
