@@ -57,6 +57,7 @@ from ft_core.tools.chaos_matrix import (
     draw_kind,
     matrix_table,
     parse_matrix,
+    provoke_due,
 )
 from ft_core.tools.chaos_network import (
     LIGHTHOUSE_HOSTS,
@@ -113,6 +114,7 @@ class ChaosRun:
         self.stranded: list[int] = []  # groups stopped at the end, stranded below the exit step
         self.lighthouse_back_at: float | None = None
         self.armed: tuple[str, float] | None = None  # (kind, armed at) of a heal fault waiting for a heal
+        self.provoked_at: float | None = None  # when the armed heal fault last killed a group to provoke its heal
         self.heal_miss = ""  # why the armed heal fault did not fire at the last heal it saw (for its skip)
         self.bag: list[str] = []  # fault kinds left in this round
         self.target: int | None = None
@@ -270,8 +272,11 @@ class ChaosRun:
             # the provoking kill leaves the heal fault its own slot of the budget: a kill that took the last
             # one would end the faults phase, and with it this armed fault, before the heal it provoked
             room = self.cfg.faults - len(self.faults) >= HEAL_FAULT_SLOTS
-            victim = self._victim() if room and not recovering and time.monotonic() >= self.next_fault_at else None
+            now = time.monotonic()
+            due = provoke_due(now, self.provoked_at, self.cfg.heal_wait) and now >= self.next_fault_at
+            victim = self._victim() if room and due and not recovering else None
             if victim is not None:
+                self.provoked_at = now
                 self._kill(victim, "kill", "to provoke a heal")
             return
         receiver, start = healing
@@ -323,7 +328,7 @@ class ChaosRun:
         kind = draw_kind(self.bag, self.cfg.faults - len(self.faults))
         if kind in HEAL_KINDS:
             self.bag.pop(0)
-            self.armed, self.heal_miss = (kind, time.monotonic()), ""
+            self.armed, self.heal_miss, self.provoked_at = (kind, time.monotonic()), "", None
             return
         if kind == "lighthouse":
             if len(self.up_groups()) >= self.cfg.min_replicas:

@@ -16,6 +16,17 @@ NETWORK_KINDS = ("host_cut", "partition", "lighthouse_cut")
 
 
 HEAL_FAULT_SLOTS = 2  # a heal fault may need a kill first, to provoke its heal: two slots of the fault budget
+PROVOKES_PER_WAIT = 3  # an armed heal fault kills at most this often per heal_wait to provoke its heal
+
+
+def provoke_due(now: float, provoked_at: float | None, heal_wait: float) -> bool:
+    """Whether an armed heal fault may kill a group again to provoke its heal: at once the first time, then
+    only a third of its wait after the last such kill. In between, the heals that come anyway get their turn:
+    with worker faults a skipped vote heals a group every few seconds, while a provoked heal often cannot be
+    faulted (its source is the only group holding the latest step, gap 2), and kill after kill kept a group
+    down, which made every heal such a one, and spent the run's fault budget (seed 20799, cell c7: four
+    provoking kills for one kill_heal_source, and no slot left for the hang)."""
+    return provoked_at is None or now - provoked_at >= heal_wait / PROVOKES_PER_WAIT
 
 
 def draw_kind(bag: list[str], slots_left: int) -> str:

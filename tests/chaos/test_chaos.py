@@ -39,7 +39,7 @@ from ft_core.tools.chaos_checks import (
     network_fault_outcomes,
     parse_log_name,
 )
-from ft_core.tools.chaos_matrix import MATRIX, cell_for, draw_kind, parse_matrix
+from ft_core.tools.chaos_matrix import MATRIX, cell_for, draw_kind, parse_matrix, provoke_due
 from ft_core.tools.chaos_network import network_order, network_unavailable
 from ft_core.tools.chaos_processes import leftovers
 from ft_core.tools.chaos_report import ledger_lines
@@ -294,6 +294,21 @@ def test_a_heal_fault_is_not_drawn_for_the_last_slot_when_another_kind_is_left(b
     now needs a slot beside the heal fault's, and the last slot goes to another kind when the round has one."""
     assert draw_kind(bag, slots_left) == drawn
     assert bag == left
+
+
+@pytest.mark.parametrize("now, provoked_at, due", [
+    (5.0, None, True),  # the first provoking kill: at once
+    (10.0, 5.0, False),  # the heals that come anyway get a third of the wait first
+    (24.9, 5.0, False),
+    (25.0, 5.0, True),
+])
+def test_an_armed_heal_fault_provokes_its_heal_at_most_three_times_per_wait(now, provoked_at, due):
+    """Seed 20799 (cell c7, worker faults): kill_heal_source killed a group four times in a row to provoke a
+    heal. Each provoked heal came from the only group holding the latest step (a skipped vote left one group
+    committing alone, gap 2), which cannot be faulted, and each kill kept a group down so that every heal was
+    such a one. The budget ran out before the round's hang. Kills to provoke a heal are now a third of the
+    heal wait apart (60 s here: 20 s), and the heals that come anyway are faulted in between."""
+    assert provoke_due(now, provoked_at, heal_wait=60.0) is due
 
 
 def test_ftl_chaos_matrix_list_prints_the_cells():
