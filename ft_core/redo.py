@@ -136,6 +136,7 @@ class ReductionLog:
         self.allow_heal = allow_heal
         self.state = WaitState.IDLE
         self.lost = set()
+        self.quorum_ids, self.quorum_id = (), 0  # until this step's quorum: no redo names an earlier attempt
 
     def record(self, tensor: torch.Tensor, op: ReduceOp, broken: bool,
                divided_by: int | None = None) -> Reduction | None:
