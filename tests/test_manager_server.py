@@ -105,7 +105,7 @@ def test_a_rank_alone_times_out_naming_the_missing_rank_and_leaves_no_stale_call
         group: tuple[ManagerServer, list[ManagerClient]]) -> None:
     _, clients = group
     with pytest.raises(FTTimeoutError, match=r"group rank\(s\) \[1\]"):
-        clients[0].quorum(0, 1, "x", False, timedelta(seconds=1))
+        clients[0].quorum(0, 1, "x", False, timedelta(seconds=2))  # answered 0.5 s before the caller's deadline
     # Had the timed-out call stayed in the round, rank 1 alone would complete it and rank 0's next call would hang.
     results = run_calls(quorum_calls(clients, [1, 1]))
     assert all(isinstance(r, QuorumResult) for r, _ in results), results
