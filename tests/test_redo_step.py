@@ -23,15 +23,19 @@ import re
 import signal
 import sys
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
-from conftest import child_env
+from conftest import child_env, run_calls
 from ft_harness import read_jsonl
 from torch.distributed import ReduceOp
 
+from ft_core import step_rules as rules
 from ft_core.control.lighthouse import LighthouseServer
+from ft_core.control.manager_client import ManagerClient
+from ft_core.control.manager_server import ManagerServer
 from ft_core.redo import RedoConfig, ReductionLog, resolve
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_redo_worker.py")
@@ -292,14 +296,6 @@ def test_a_redo_replays_only_when_every_member_of_its_quorum_redoes_the_same_att
 
     Real lighthouse, two groups of two ranks: rank 0 calls its manager server in process, rank 1 through a
     ManagerClient (the protobuf path a remote rank takes)."""
-    from datetime import timedelta
-
-    from conftest import run_calls
-
-    from ft_core import step_rules as rules
-    from ft_core.control.manager_client import ManagerClient
-    from ft_core.control.manager_server import ManagerServer
-
     timeout = timedelta(seconds=20)
     with LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=60_000, heartbeat_timeout_ms=30_000,
                           http_bind=None) as lighthouse, \

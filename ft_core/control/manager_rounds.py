@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ft_core.control.types import Quorum
+from ft_core.control.types import Quorum, common_redo_quorum_id
 from ft_core.errors import FTError
 
 __all__ = ["CommitRound", "QuorumRound", "RankRequest", "redo_quorum_id"]
@@ -54,7 +54,5 @@ class CommitRound:
 
 
 def redo_quorum_id(requests: list[RankRequest]) -> int:
-    """The group's redo_quorum_id: the attempt its ranks redo when they all redo the same one, else 0 (a rank
-    that does not redo it would issue other collectives than the replay's)."""
-    ids = {r.redo_quorum_id for r in requests}
-    return ids.pop() if len(ids) == 1 else 0
+    """The group's redo_quorum_id: the attempt its ranks redo when they all redo the same one, else 0."""
+    return common_redo_quorum_id(r.redo_quorum_id for r in requests)

@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass, field
 
 from ft_core.errors import QuorumError
-from ft_core.control.types import Quorum
+from ft_core.control.types import Quorum, common_redo_quorum_id
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,6 @@ def _layout_of(quorum: Quorum, init_sync: bool) -> _Layout:
                  f"every group must run the same number of ranks, since rank r of each group reduces with "
                  f"rank r of the others; restart the odd group with the same number of processes")
     max_step = max(steps, default=0)
-    redo = roster.redo_quorum_ids
     # Groups at max_step are identical only if they committed it in the same quorum: a step committed
     # by a group alone (its peers' votes failed) and again by others later is a fork. The latest
     # quorum's fork is the one to keep; groups on an older one heal like groups behind.
@@ -86,7 +85,7 @@ def _layout_of(quorum: Quorum, init_sync: bool) -> _Layout:
         sources=sources, source_index={ids[r]: i for i, r in enumerate(sources)},
         healers=healers, healer_index={ids[r]: i for i, r in enumerate(healers)},
         commit_failures=max(roster.commit_failures, default=0),
-        redo_quorum_id=redo[0] if redo and redo.count(redo[0]) == len(redo) else 0, error=error)
+        redo_quorum_id=common_redo_quorum_id(roster.redo_quorum_ids), error=error)
 
 
 _LAYOUTS: dict[tuple[int, bool], tuple[Quorum, _Layout]] = {}  # by (id(quorum), init_sync); keeps the quorum alive

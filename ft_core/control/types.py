@@ -71,6 +71,13 @@ class QuorumMember:
         return member
 
 
+def common_redo_quorum_id(ids: Any) -> int:
+    """The step attempt every one of `ids` redoes, else 0: members (or a group's ranks) that do not all redo the
+    same one would issue other collectives than a replay's (ft_core.redo, step_rules.redo_role)."""
+    distinct = set(ids)
+    return distinct.pop() if len(distinct) == 1 else 0
+
+
 @dataclass(frozen=True)
 class Roster:
     """A quorum's participants as columns, in participant order: what recovery plans and quorum rounds read
