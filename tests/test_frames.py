@@ -5,6 +5,7 @@ a port that cannot be reached or is switched off."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import struct
@@ -377,3 +378,52 @@ def test_the_blocking_client_reads_a_reply_that_arrives_in_pieces_and_fails_on_a
         b.shutdown(socket.SHUT_WR)
         with pytest.raises(EOFError):
             frames._read_frame(a, time.monotonic() + 5)
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, name="frames-test-loop", daemon=True)
+    runner.start()
+    try:
+        yield loop
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(10)
+        loop.close()
+
+
+def test_a_stopping_server_sends_the_answers_of_calls_in_flight_within_its_grace(
+        loop: asyncio.AbstractEventLoop) -> None:
+    """A group's last commit round is decided for every rank, but a remote rank's answer may still be on
+    its way when the local rank goes on to stop the server (a busy machine delays the handler thread):
+    the stop lets calls in flight answer within its grace, refuses new ones, and cuts what outlasts it."""
+    async def slow(request: bytes, context: object) -> bytes:
+        await asyncio.sleep(float(request))
+        return b"answered " + request
+
+    server = frames.FrameServer({"/t.S/Slow": grpc.unary_unary_rpc_method_handler(slow)}, None)
+    port = asyncio.run_coroutine_threadsafe(server.start("127.0.0.1", 0), loop).result(10)
+    clients = [frames.FrameClient(f"127.0.0.1:{port}", None, "test server") for _ in range(3)]
+    outcome: dict[str, object] = {}
+    callers = [threading.Thread(target=lambda c=c, d=d: outcome.update({d: _catch(c.call, "Slow", d.encode(), 30.0)}))
+               for c, d in zip(clients, ["0.3", "5"])]
+    try:
+        for caller in callers:
+            caller.start()
+        deadline = time.monotonic() + 10
+        while len(server._calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        started = time.monotonic()
+        asyncio.run_coroutine_threadsafe(server.stop(grace=1.5), loop).result(10)
+        assert_bounded(started, 5, "the stop")
+        for caller in callers:
+            caller.join(10)
+        assert outcome["0.3"] == b"answered 0.3", outcome
+        assert isinstance(outcome["5"], RPCError) and outcome["5"].code == "UNAVAILABLE", outcome
+        with pytest.raises(RPCError, match="test server"):
+            clients[2].call("Slow", b"0", 5.0)
+    finally:
+        for client in clients:
+            client.close()
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(10)

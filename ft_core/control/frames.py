@@ -243,15 +243,18 @@ class _Connection(FrameReader):
             return
         timeout_ms, n = _REQUEST.unpack_from(body)
         name = body[_REQUEST.size:_REQUEST.size + n].decode(errors="replace")
+        if self._server.stopping:  # its grace is for the calls already in flight
+            self._refuse(grpc.StatusCode.UNAVAILABLE, "the server is stopping")
+            return
         handler = self._server.handlers.get(name)
         if handler is not None and handler.stream_stream is not None and self._transport is not None:
             self._stream = _StreamContext(self._transport, handler.request_deserializer, handler.response_serializer,
                                           asyncio.get_running_loop())
-            work = self._run_stream(handler, self._stream)
+            work, tasks = self._run_stream(handler, self._stream), self._server._streams
         else:
-            work = self._serve(name, handler, timeout_ms, body[_REQUEST.size + n:])
-        self._server._tasks.add(task := asyncio.ensure_future(work))
-        task.add_done_callback(self._server._tasks.discard)
+            work, tasks = self._serve(name, handler, timeout_ms, body[_REQUEST.size + n:]), self._server._calls
+        tasks.add(task := asyncio.ensure_future(work))
+        task.add_done_callback(tasks.discard)
 
     def _greet(self, body: bytes) -> None:
         if not body.startswith(MAGIC):
@@ -315,7 +318,9 @@ class FrameServer:
         self._ssl = rpc.server_ssl_context(tls)
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[_Connection] = set()
-        self._tasks: set[asyncio.Future] = set()
+        self._streams: set[asyncio.Future] = set()  # open streams
+        self._calls: set[asyncio.Future] = set()  # unary calls in flight
+        self.stopping = False
 
     async def start(self, host: str, port: int = 0) -> int:
         """Listen on host:port (0: chosen by the OS); the port."""
@@ -324,14 +329,19 @@ class FrameServer:
                                                 reuse_address=True)
         return int(self._server.sockets[0].getsockname()[1])
 
-    async def stop(self) -> None:
-        """Stop listening, close every connection (their callers get UNAVAILABLE), cancel calls in flight."""
+    async def stop(self, grace: float = 0.0) -> None:
+        """Stop listening and refuse new calls; give unary calls in flight up to `grace` seconds to answer
+        (as grpc.aio's stop does: a group's last commit answer to a remote rank is decided but may not be
+        written yet), then close every connection (their callers get UNAVAILABLE) and cancel the rest."""
+        self.stopping = True
         if self._server is not None:
             self._server.close()
+        if grace > 0 and self._calls:
+            await asyncio.wait(list(self._calls), timeout=grace)
         for connection in list(self._connections):
             if connection._transport is not None:
                 connection._transport.close()
-        for task in list(self._tasks):
+        for task in [*self._streams, *self._calls]:
             task.cancel()
         if self._server is not None:
             await self._server.wait_closed()

@@ -69,9 +69,9 @@ def open_frames(server: Any, loop: asyncio.AbstractEventLoop) -> tuple[frames.Fr
 
 
 async def stop_server(aio: grpc.aio.Server, grace: float | None, wire: frames.FrameServer | None) -> None:
-    if wire is not None:
-        await wire.stop()
-    await aio.stop(grace)
+    """Stop both wires at once; calls in flight on either get `grace` seconds to answer (a commit round's
+    decision reaches every rank even when the rank that completed it stops the server right after)."""
+    await asyncio.gather(aio.stop(grace), *([wire.stop(grace or 0.0)] if wire is not None else []))
 
 
 async def quorum_call(server: Any, request: ft_pb2.ManagerQuorumRequest, timeout_s: float) -> QuorumResult:
