@@ -19,6 +19,7 @@ import pytest
 from conftest import assert_bounded, run_calls
 
 from ft_core.control import frames
+from ft_core.control.heartbeat_stream import release_stream_loop, stream_loop
 from ft_core.control.lighthouse import LighthouseServer
 from ft_core.control.manager_server import ManagerClient, ManagerServer, QuorumResult
 from ft_core.control.proto import ft_pb2
@@ -382,15 +383,12 @@ def test_the_blocking_client_reads_a_reply_that_arrives_in_pieces_and_fails_on_a
 
 @pytest.fixture
 def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    runner = threading.Thread(target=loop.run_forever, name="frames-test-loop", daemon=True)
-    runner.start()
+    """The process's stream loop, as the manager servers run their frames port on it."""
+    loop = stream_loop()
     try:
         yield loop
     finally:
-        loop.call_soon_threadsafe(loop.stop)
-        runner.join(10)
-        loop.close()
+        release_stream_loop(loop)
 
 
 def test_a_stopping_server_sends_the_answers_of_calls_in_flight_within_its_grace(
@@ -424,6 +422,8 @@ def test_a_stopping_server_sends_the_answers_of_calls_in_flight_within_its_grace
         with pytest.raises(RPCError, match="test server"):
             clients[2].call("Slow", b"0", 5.0)
     finally:
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(10)
         for client in clients:
             client.close()
-        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(10)
+        for caller in callers:
+            caller.join(10)
