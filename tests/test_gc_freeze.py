@@ -15,6 +15,7 @@ import pytest
 
 TORCH_FIRST = """
 import gc, json, torch
+gc.collect()  # count the live objects only: torch's import leaves garbage that a collection may free later
 before = len(gc.get_objects())
 import ft_core
 at_package = gc.get_freeze_count()
@@ -28,6 +29,7 @@ import gc, json
 import ft_core
 at_package = gc.get_freeze_count()
 import torch
+gc.collect()  # as above: the live objects only
 with_torch = len(gc.get_objects()) + gc.get_freeze_count()
 from ft_core import Manager
 print(json.dumps({"package": at_package, "torch": with_torch, "manager": gc.get_freeze_count(),
