@@ -9,6 +9,7 @@ and each complete epoch's consumed samples cover every index exactly once: 0 los
 from __future__ import annotations
 
 import collections
+import functools
 import glob
 import json
 import os
@@ -172,8 +173,9 @@ def columns_agree(tmp_path) -> int:
     reduction may complete with that peer while the other rank's fails (its process group was abandoned
     while configuring), so each reads other votes; such a step never commits (the group's vote is every
     rank's), the position stays, and the next attempt draws again (CI under load, 2026-12-06: rank 0 read
-    [true, true] and rank 1 [true, false] in a step that lost group 1). The last attempt of a rank killed before it logged the
-    outcome (while the other rank logged it: CI, 2026-12-06) has unknown votes, which match any."""
+    [true, true] and rank 1 [true, false] in a step that lost group 1). The last attempt of a rank killed
+    before it logged the outcome, while the other rank logged it (a suite run as CI runs it, 2026-12-06),
+    has unknown votes, which match any."""
     runs: dict[str, dict[int, list[tuple]]] = collections.defaultdict(dict)
     for path in glob.glob(os.path.join(str(tmp_path), "g*.i*.r*.jsonl")):
         run, column = path.rsplit(".r", 1)
@@ -200,18 +202,19 @@ def columns_agree(tmp_path) -> int:
 UNKNOWN = object()  # the votes of an attempt whose rank died before it logged the outcome
 
 
+def _write_ledger(tmp_path, name: str, *rows: dict) -> None:
+    with open(tmp_path / name, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+
+
 @pytest.mark.timeout(30)
 def test_a_rank_killed_between_its_attempt_and_its_outcome_agrees_with_the_rank_that_logged_both(tmp_path):
-    """The ledgers' shape in CI (2026-12-06, 2 ranks per group): rank 0 logged step 4's attempt and its
+    """The ledgers' shape in a suite run (2026-12-06, 2 ranks per group): rank 0 logged step 4's attempt and its
     committed outcome, rank 1 only the attempt before the group was killed. Their columns agree on what
     both logged; different positions or different votes of a committed step still do not."""
     attempt = {"kind": "attempt", "step": 4, "epoch": 0, "n": 2, "held": [True, True], "before": "1c24"}
     outcome = {"kind": "outcome", "committed": True, "step": 5, "after": "81f4", "held": [True, True]}
-
-    def write(name: str, *rows: dict) -> None:
-        with open(tmp_path / name, "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
-
+    write = functools.partial(_write_ledger, tmp_path)
     write("g2.i1.r0.jsonl", attempt, outcome)
     write("g2.i1.r1.jsonl", attempt)
     assert columns_agree(tmp_path) == 1
@@ -225,7 +228,7 @@ def test_a_rank_killed_between_its_attempt_and_its_outcome_agrees_with_the_rank_
 
 @pytest.mark.timeout(30)
 def test_a_step_whose_only_committer_died_before_logging_it_is_linked_through_its_healer(tmp_path):
-    """The ledgers' shape in CI (2026-12-06): group 0 alone committed step 1 and was killed before its
+    """The ledgers' shape in a suite run (2026-12-06): group 0 alone committed step 1 and was killed before its
     outcome line; group 1 healed into that commit and finished. The history still reaches step 0 through
     group 0's last attempt, and every sample of the epoch is counted once; two disagreeing such attempts
     of that step leave it broken."""
@@ -233,10 +236,7 @@ def test_a_step_whose_only_committer_died_before_logging_it_is_linked_through_it
         return {"kind": "attempt", "step": step, "epoch": 0, "indices": consumed, "rank": rank, "n": 1,
                 "valid": rank is not None, "held": [True], "consumed": consumed, "before": before}
 
-    def write(name: str, *rows: dict) -> None:
-        with open(tmp_path / name, "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
-
+    write = functools.partial(_write_ledger, tmp_path)
     write("g0.i1.r0.jsonl", attempt(0, 0, "p0", [0, 1]),
           {"kind": "outcome", "committed": True, "step": 1, "after": "p1", "held": [True], "consumed": [0, 1]},
           attempt(1, 0, "p1", [2, 3]))  # killed after committing step 1, before its outcome line
@@ -322,7 +322,7 @@ def check_ledger(tmp_path, size: int, columns: int = 1) -> dict[int, dict[str, i
 
 def _link_unlogged_commits(by_after: dict[str, list[dict]], healed: dict[str, int], unlogged: list[dict]) -> None:
     """A step whose only committing participant was killed between its commit and its outcome line, while a
-    healer committed it with it (CI under load, 2026-12-06: group 0 alone committed step 3, group 1 healed
+    healer committed it with it (a suite run, 2026-12-06: group 0 alone committed step 3, group 1 healed
     into that commit, then group 0 was killed): the healer's outcome names the position after the step, the
     killed participant's last attempt the position before it and what it consumed. Linked only when every
     such attempt of that step agrees, so an ambiguous one leaves the history broken (a failure)."""
