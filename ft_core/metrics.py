@@ -31,7 +31,7 @@ from prometheus_client import (
 
 from ft_core import settings
 from ft_core.errors import ConfigError
-from ft_core.net import format_host_port, split_host_port
+from ft_core.net import bind_problem, format_host_port, split_host_port
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class MetricsServer:
         try:
             self._server = _Server((host, port), self.metrics)
         except OSError as exc:
-            raise ConfigError(f"metrics server could not bind {bind}: {exc}; is the port in use? "
+            raise ConfigError(f"metrics server could not bind {bind}: {bind_problem(bind, exc)} "
                               f"(FT_METRICS_PORT, 0 picks a free one)") from exc
         self._address = format_host_port(host, self._server.server_address[1])
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},

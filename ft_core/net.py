@@ -12,6 +12,7 @@ machines need no setting and a lighthouse on loopback keeps the whole job on loo
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import ipaddress
 import logging
@@ -251,6 +252,49 @@ def bind_host(advertised: str, bind_all: bool = False) -> str:
     except OSError as exc:
         raise ConfigError(f"host {advertised!r} (FT_HOST or host=) does not resolve ({exc}); give this machine's "
                           f"address or a name that resolves") from None
+
+
+# ---- why a server could not bind ---------------------------------------------------------------------
+
+def bind_problem(bind: str, error: OSError | None = None, fallback: str = "is the port in use?") -> str:
+    """Why `bind` (host:port) cannot be bound, with the fix. `error`: the OSError of a failed bind; without
+    one (gRPC reports only that its bind failed) a plain socket is bound there to learn the cause, and
+    `fallback` is returned when that bind works (a cause this probe cannot see)."""
+    try:
+        host, port = split_host_port(bind, "bind address")
+    except ConfigError as exc:
+        return str(exc)
+    if error is None:
+        error = _probe_bind(host.strip("[]"), port)
+    if error is None:
+        return fallback
+    if isinstance(error, socket.gaierror):
+        return (f"{host!r} is neither an IP address nor a name this machine resolves; bind one of this "
+                f"machine's addresses, or 0.0.0.0 for every interface")
+    if error.errno == errno.EADDRINUSE:
+        return f"port {port} is already in use on {host}; stop what holds it, or pick another port (0: a free one)"
+    if error.errno == errno.EADDRNOTAVAIL:
+        return (f"{host} is not an address of this machine; bind one of its own addresses (`ip addr`) or "
+                f"0.0.0.0, and advertise the address the others dial with FT_HOST")
+    if error.errno == errno.EACCES:
+        return f"port {port} needs privileges here; pick a port above 1023 (0: a free one)"
+    return f"{error.strerror or error}; {fallback}"
+
+
+def _probe_bind(host: str, port: int) -> OSError | None:
+    """Bind a plain TCP socket at host:port (SO_REUSEADDR, as servers set it) and close it: its error, or None."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:  # socket.gaierror: neither an address nor a name that resolves
+        return exc
+    for family, kind, proto, _, sockaddr in infos[:1]:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(sockaddr)
+            except OSError as exc:
+                return exc
+    return None
 
 
 # ---- reaching the lighthouse at start ----------------------------------------------------------------

@@ -341,10 +341,25 @@ def main(argv: list[str] | None = None) -> int:
     if args:
         sys.stderr.write("usage: ftl settings [--markdown]\n")
         return 2
+    invalid = []
     for s in SETTINGS:
-        raw = lookup(s.env)
-        shown = ("***" if s.secret else raw) if raw is not None else f"(default {_shown_default(s)})"
-        sys.stdout.write(f"{s.env}={shown}\n")
+        found = find(s.env)
+        if found is None:
+            sys.stdout.write(f"{s.env}=(default {_shown_default(s)})\n")
+            continue
+        variable, raw = found
+        shown = "***" if s.secret else raw
+        alias = f" (from {variable})" if variable != s.env else ""
+        try:
+            parse_env(s, raw, variable)
+        except ConfigError as exc:
+            invalid.append(variable)
+            sys.stdout.write(f"{s.env}={shown}{alias}  <- invalid: {exc}\n")
+            continue
+        sys.stdout.write(f"{s.env}={shown}{alias}\n")
+    if invalid:  # what a Manager, lighthouse or launcher started here would refuse at once
+        sys.stderr.write(f"ftl settings: {len(invalid)} invalid: {', '.join(invalid)}; fix or unset them\n")
+        return 1
     return 0
 
 

@@ -257,3 +257,80 @@ def test_without_a_route_to_the_lighthouse_the_group_falls_back_to_loopback_and_
     out = hosts.run(hosts[0], [sys.executable, "-c", code]).stdout
     assert "no route toward any lighthouse" in out and "FT_HOST" in out
     assert out.strip().splitlines()[-1] == "127.0.0.1"
+
+
+# ---- a server that cannot bind says why ----------------------------------------------------------------
+
+def _start_server(kind: str, bind: str, lighthouse: str) -> None:
+    """Start one of the servers a job runs at `bind` (it is expected to fail), and stop it if it started."""
+    from ft_core.control.lighthouse import LighthouseServer
+    from ft_core.control.manager_server import ManagerServer
+    from ft_core.metrics import MetricsServer
+
+    if kind == "lighthouse":
+        server = LighthouseServer(bind=bind, http_bind=None)
+    elif kind == "lighthouse HTTP":
+        server = LighthouseServer(bind="127.0.0.1:0", http_bind=bind)
+    elif kind == "metrics":
+        server = MetricsServer(bind)
+    else:
+        server = ManagerServer("bind-test", lighthouse, bind=bind)
+    server.shutdown()
+
+
+SERVERS = ["lighthouse", "lighthouse HTTP", "metrics", "manager server"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", SERVERS)
+def test_a_server_whose_port_is_taken_says_so_and_how_to_fix_it(kind):
+    """Before, every server said 'is the port in use?' whatever the cause (gRPC reports only that its bind
+    failed); now the cause is found and named, with the fix."""
+    from ft_core.control.lighthouse import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", http_bind=None)
+    try:
+        with socket.socket() as holder:
+            holder.bind(("127.0.0.1", 0))
+            holder.listen()
+            port = holder.getsockname()[1]
+            with pytest.raises(ConfigError) as info:
+                _start_server(kind, f"127.0.0.1:{port}", lighthouse.address())
+    finally:
+        lighthouse.shutdown()
+    message = str(info.value)
+    assert f"could not bind 127.0.0.1:{port}" in message.replace("'", "")
+    assert f"port {port} is already in use on 127.0.0.1" in message and "0: a free one" in message
+
+
+@pytest.mark.timeout(90)
+def test_a_server_bound_to_another_hosts_address_says_it_is_not_this_machines(simulated_hosts):
+    """A multi-host job's usual slip: --bind (or the manager's bind) given the address of another machine.
+    The address of simulated host h0 is not an address of the test's own namespace."""
+    from ft_core.control.lighthouse import LighthouseServer
+
+    other = simulated_hosts(1)[0].address
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", http_bind=None)
+    try:
+        for kind in SERVERS:
+            with pytest.raises(ConfigError) as info:
+                _start_server(kind, f"{other}:0", lighthouse.address())
+            assert f"{other} is not an address of this machine" in str(info.value), kind
+            assert "FT_HOST" in str(info.value) and "port in use" not in str(info.value), kind
+    finally:
+        lighthouse.shutdown()
+
+
+def test_bind_problem_names_each_cause_and_its_fix():
+    from errno import EACCES, ECONNRESET
+
+    from ft_core.net import bind_problem
+
+    unresolved = bind_problem("nosuchhost:29510", socket.gaierror(socket.EAI_NONAME, "Name or service not known"))
+    assert "'nosuchhost' is neither an IP address nor a name this machine resolves" in unresolved
+    assert "port 80 needs privileges" in bind_problem("0.0.0.0:80", OSError(EACCES, "Permission denied"))
+    assert bind_problem("127.0.0.1:1", OSError(ECONNRESET, "odd"), fallback="fix it") == "odd; fix it"
+    with socket.socket() as free:  # nothing holds it: the probe binds, so the cause is not one it can see
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    assert bind_problem(f"127.0.0.1:{port}", fallback="is the port in use?") == "is the port in use?"

@@ -115,6 +115,27 @@ def test_markdown_command_prints_the_table(capsys):
     assert settings.main(["--bogus"]) == 2
 
 
+@pytest.mark.timeout(30)
+def test_the_listing_flags_each_invalid_value_and_fails_naming_them(clean_env, capsys):
+    """`ftl settings` is where a user checks a job's environment: a value every component would refuse at
+    start (here a duration that is not a number) is flagged on its line with the reason, and the command
+    fails naming it; valid values, aliases and redacted secrets are listed as they resolve."""
+    clean_env.setenv("FT_TIMEOUT_SEC", "abc")
+    clean_env.setenv("TORCHFT_LIGHTHOUSE", "127.0.0.1:29510")
+    clean_env.setenv("FT_TOKEN", "s3cret")
+    assert settings.main([]) == 1
+    captured = capsys.readouterr()
+    lines = {line.split("=", 1)[0]: line for line in captured.out.splitlines()}
+    assert "invalid" in lines["FT_TIMEOUT_SEC"] and "'abc'" in lines["FT_TIMEOUT_SEC"]
+    assert "positive number of seconds" in lines["FT_TIMEOUT_SEC"]
+    assert lines["FT_LIGHTHOUSE"] == "FT_LIGHTHOUSE=127.0.0.1:29510 (from TORCHFT_LIGHTHOUSE)"
+    assert lines["FT_TOKEN"] == "FT_TOKEN=***" and "s3cret" not in captured.out + captured.err
+    assert "1 invalid: FT_TIMEOUT_SEC" in captured.err
+    clean_env.setenv("FT_TIMEOUT_SEC", "15")
+    assert settings.main([]) == 0
+    assert "invalid" not in capsys.readouterr().out
+
+
 # --- (c) precedence, aliases, valid values --------------------------------------------------------------
 
 PRECEDENCE = [

@@ -42,7 +42,7 @@ from ft_core.control.proto import ft_pb2
 from ft_core.control.quorum import EXCLUDED_CODE, member_problem, replica_id_problem
 from ft_core.control.rpc import SERVER_OPTIONS, TokenCheckingHandler, add_server_port
 from ft_core.control.types import QuorumMember
-from ft_core.net import dial_host, format_host_port, is_loopback, split_addresses, split_host_port
+from ft_core.net import bind_problem, dial_host, format_host_port, is_loopback, split_addresses, split_host_port
 
 logger = logging.getLogger(__name__)
 
@@ -415,9 +415,9 @@ class LighthouseServer:
         try:
             port = add_server_port(server, format_host_port(self._host, self._requested_port))  # TLS when FT_TLS_CERT/KEY are set
         except RuntimeError as exc:
-            raise ConfigError(f"lighthouse could not bind {self.config.bind}: {exc}; is the port in use?") from exc
+            raise ConfigError(f"lighthouse could not bind {self.config.bind}: {bind_problem(self.config.bind)}") from exc
         if not port:
-            raise ConfigError(f"lighthouse could not bind {self.config.bind}; is the port in use?")
+            raise ConfigError(f"lighthouse could not bind {self.config.bind}: {bind_problem(self.config.bind)}")
         await server.start()
         self._server = server
         if frames.enabled():  # the heartbeat streams' wire without grpc's thread hops (ft_core.control.frames)

@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from ft_core.errors import ConfigError, FTError, RPCError
 from ft_core.control.proto import ft_pb2, ft_pb2_grpc
 from ft_core.control.rpc import CHANNEL_OPTIONS, call, open_channel, server_ssl_context, token_matches
-from ft_core.net import dial_host, format_host_port, normalize_address, split_host_port
+from ft_core.net import bind_problem, dial_host, format_host_port, normalize_address, split_host_port
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ class StatusHTTPServer:
         try:
             self._server = _Server((host, port), core, metrics, token)
         except OSError as exc:
-            raise ConfigError(f"lighthouse HTTP could not bind {bind}: {exc}; is the port in use?") from exc
+            raise ConfigError(f"lighthouse HTTP could not bind {bind}: {bind_problem(bind, exc)}") from exc
         scheme = "https" if self._server.ssl_context is not None else "http"
         self._address = f"{scheme}://{format_host_port(dial_host(host), self._server.server_address[1])}"
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},

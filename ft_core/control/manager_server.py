@@ -111,11 +111,11 @@ class ManagerServer:
             try:
                 self._server, port = asyncio.run_coroutine_threadsafe(
                     manager_service.start_server(self, cfg.bind, cfg.token), self._loop).result(30)
-            except RuntimeError as exc:
-                raise ConfigError(f"manager server could not bind {cfg.bind!r} ({exc}); "
-                                  f"pick a free port or port 0") from None
+            except RuntimeError:  # grpc says only that its bind failed: bind_problem finds why
+                port = 0
             if not port:
-                raise ConfigError(f"manager server could not bind {cfg.bind!r}; pick a free port or port 0")
+                raise ConfigError(f"manager server could not bind {cfg.bind!r}: "
+                                  f"{net.bind_problem(cfg.bind, fallback='pick a free port or port 0')}")
             self._address = net.format_host_port(cfg.hostname, port)
             self._frames, self._frames_address = manager_service.open_frames(self, self._loop)
             try:
