@@ -35,6 +35,7 @@ import inspect
 import logging
 import threading
 import weakref
+import zlib
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
@@ -48,7 +49,7 @@ from ft_core.process_groups import ProcessGroupDummy
 if TYPE_CHECKING:
     from ft_core.manager import Manager
 
-__all__ = ["DistributedDataParallel", "backward_scale", "register_comm_hook", "canonical_chunks"]
+__all__ = ["DistributedDataParallel", "backward_scale", "register_comm_hook", "canonical_chunks", "reductions_digest"]
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +163,11 @@ class _CanonicalReducer:
         self._chunks = [_Chunk([params[i] for i in chunk]) for chunk in canonical_chunks(params, first_cap_bytes,
                                                                                           cap_bytes)]
         self._where = {id(p): ci for ci, chunk in enumerate(self._chunks) for p in chunk.params}
+        # what this model sends across groups, chunk by chunk: groups whose digests differ would send collectives
+        # of different sizes to each other, which Gloo answers by aborting the process (reductions_digest)
+        shape = ";".join(f"{c.numel}:{c.params[0].dtype}" for c in self._chunks if c.params)
+        self.digest = (sum(c.numel for c in self._chunks), zlib.crc32(shape.encode()))
+        self.parameters = frozenset(self._where)  # the same model wrapped again (a second fit) counts once
         self._next = 0
         self.copies = 0  # buckets that needed the copy path (for tests and benchmarks)
         # the parameters' .grad hold this rank's own gradients until DDP's finalize (no bucket views, no
@@ -313,6 +319,17 @@ class _HookState:
 
 
 _HOOKS: "weakref.WeakKeyDictionary[Manager, weakref.WeakSet[_HookState]]" = weakref.WeakKeyDictionary()
+
+
+def reductions_digest(manager: "Manager") -> str:
+    """What `manager`'s fault-tolerant DDP models reduce across groups, in short ("3680522 values (1a2b3c4d)";
+    "" with none yet): sent with each quorum request, so a quorum mixing groups whose models (or bucket sizes)
+    differ is refused naming them (ft_core.control.recovery) instead of running mismatched collectives."""
+    digests = sorted({state.reducer.parameters: state.reducer.digest for state in list(_HOOKS.get(manager, ()))}
+                     .values())
+    if not digests:
+        return ""
+    return f"{sum(n for n, _ in digests)} values ({zlib.crc32(repr(digests).encode()):08x})"
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from ft_core import freeze_startup_objects, metrics, net, redo
+from ft_core import ddp, freeze_startup_objects, metrics, net, redo
 from ft_core import futures as ft_futures
 from ft_core import step_rules as rules
 from ft_core.checkpointing import HTTPTransport
@@ -254,7 +254,7 @@ class Manager:
                     commit_failures=self._state.commit_failures, commit_quorum_id=self._state.commit_quorum_id,
                     rebuild=self._state.quorum_id < 0, redo_quorum_id=redo_quorum_id)
         if self._server is not None:
-            return self._server.quorum_local(**args)
+            return self._server.quorum_local(**args, reductions=ddp.reductions_digest(self))
         return self._client.quorum(**args)
 
     def _async_quorum(self, allow_heal: bool, shrink_only: bool, timeout_s: float) -> None:

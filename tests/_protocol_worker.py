@@ -41,6 +41,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", default="vector", choices=("vector", "batchnorm", "unwrapped"),
                    help="batchnorm: a BatchNorm model under ft_core DDP, each group on other data; "
                         "unwrapped: the same model without the DDP wrapper (nothing reduces its gradients)")
+    p.add_argument("--width", type=int, default=4, help="hidden width of the module models (a group given another "
+                                                       "width reduces other gradients than its peers)")
     p.add_argument("--out", required=True)
     p.add_argument("--timeout", type=float, default=10.0)
     return p.parse_args()
@@ -49,7 +51,8 @@ def parse_args() -> argparse.Namespace:
 def train_module(args: argparse.Namespace, rank: int) -> int:
     """A model with BatchNorm buffers: after every committed step the buffers must match on every group."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+    width = args.width
+    model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.BatchNorm1d(width), torch.nn.Linear(width, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     pg = ProcessGroupGloo(timeout=timedelta(seconds=args.timeout))
     manager = Manager(pg, load_state_dict=model.load_state_dict, state_dict=model.state_dict,

@@ -44,7 +44,8 @@ def test_stubs_expose_the_services_of_the_design() -> None:
     QuorumMember("a"),
     QuorumMember("b", address="10.0.0.2:1", store_address="10.0.0.2:2", step=7, world_size=4, shrink_only=True,
                  data='{"k": 1}', commit_failures=2, last_quorum_id=9, unreachable=("c", "d"), commit_quorum_id=8,
-                 last_quorum_replica_ids=("a", "b", "c"), rebuild=True),
+                 last_quorum_replica_ids=("a", "b", "c"), rebuild=True, redo_quorum_id=6,
+                 reductions="3680522 values (1a2b3c4d)"),
     QuorumMember("c", unreachable=("a",)),
     QuorumMember("d", last_quorum_replica_ids=("d",)),
 ], ids=["defaults", "every field", "unreachable only", "last quorum only"])

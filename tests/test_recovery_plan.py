@@ -233,6 +233,21 @@ def test_a_quorum_mixing_group_sizes_fails_every_plan_naming_the_sizes() -> None
             compute_recovery_plan(rid, 0, quorum, True)
 
 
+def test_a_quorum_mixing_what_groups_reduce_fails_every_plan_naming_them() -> None:
+    """Groups whose fault-tolerant DDP models differ (QuorumMember.reductions, ft_core.ddp.reductions_digest)
+    would run collectives of different sizes; a group that has not wrapped a model yet ("") is no mismatch."""
+    mixed = Quorum(quorum_id=4, participants=(QuorumMember("a", reductions="33 values (976b7270)"),
+                                              QuorumMember("b", reductions="41 values (7d00600f)"),
+                                              QuorumMember("c")))
+    for rid in ("a", "b", "c"):
+        with pytest.raises(QuorumError, match=r"a reduces 33 values \(976b7270\), b reduces 41 values "
+                                              r"\(7d00600f\), c reduces \(not known yet\)"):
+            compute_recovery_plan(rid, 0, mixed, True)
+    alike = Quorum(quorum_id=5, participants=(QuorumMember("a", reductions="33 values (976b7270)"),
+                                              QuorumMember("b", reductions="33 values (976b7270)"), QuorumMember("c")))
+    assert [compute_recovery_plan(rid, 0, alike, False).replica_rank for rid in ("a", "b", "c")] == [0, 1, 2]
+
+
 def test_a_quorum_decoded_from_the_lighthouse_bytes_plans_alike_without_participant_objects() -> None:
     """The member side decodes each quorum to its roster (columns of strings and ints) only: plans and
     replica ids come from it, so a kept quorum holds no object per participant for the cycle collector

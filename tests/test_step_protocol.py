@@ -13,14 +13,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from datetime import timedelta
 from typing import Any
 
 import pytest
+import torch
 
 from conftest import child_env
 from ft_core.control.lighthouse import LighthouseServer
+from ft_core.ddp import DistributedDataParallel, reductions_digest
+from ft_core.manager import Manager
+from ft_core.process_groups import ProcessGroupGloo
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_protocol_worker.py")
 
@@ -126,6 +132,63 @@ def test_batchnorm_buffers_are_identical_on_every_group_after_each_committed_ste
         assert groups[0] == groups[1], f"BatchNorm statistics differ between groups after step {step}"
     assert all(row["error"] == "" and row["step"] == 5 for row in finals(rows).values()), finals(rows)
     assert_identical(rows)
+
+
+@pytest.mark.timeout(120)
+def test_groups_whose_models_differ_are_refused_naming_them_instead_of_aborting_in_gloo(processes, tmp_path):
+    """Found from outside: two groups started with models of different sizes ran their first allreduce with
+    buffers of different lengths; Gloo's transport thread threw EnforceNotMet and the process aborted
+    ("terminate called ... Received data size doesn't match"), with nothing of ours saying why. Each group
+    now sends a digest of what it reduces with its quorum request, and a quorum mixing two is refused,
+    naming both, before any collective; neither group commits a step."""
+    rows = run_job(processes, tmp_path, [["--model", "batchnorm", "--steps", "3", "--no-init-sync"],
+                                         ["--model", "batchnorm", "--width", "5", "--steps", "3", "--no-init-sync"]],
+                   min_replicas=2)
+    end = finals(rows)
+    assert len(end) == 2 and all(row["step"] == 0 for row in end.values()), end
+    refused = [row["error"] for row in end.values() if "reduce different gradients" in row["error"]]
+    assert refused, end  # the other group may instead have found no quorum once the first had left
+    for error in refused:
+        assert re.search(r"g0:\w+ reduces 33 values", error) and re.search(r"g1:\w+ reduces 41 values", error), error
+        assert "same model" in error, error
+    for i in range(2):
+        assert "terminate called" not in (tmp_path / f"g{i}.log").read_text()
+
+
+@pytest.mark.timeout(60)
+def test_the_reductions_digest_counts_each_model_once_and_tells_models_apart():
+    """What a group sends with its quorum request (ft_core.ddp.reductions_digest): nothing before a model is
+    wrapped; the same model wrapped again (a second Trainer.fit) counts once; two models (a GAN) both count."""
+    def model(width: int) -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Linear(width, 1))
+
+    with LighthouseServer(min_replicas=1) as lighthouse:
+        pg = ProcessGroupGloo(timeout=timedelta(seconds=10))
+        manager = Manager(pg, lighthouse_addr=lighthouse.address(), replica_id="digest", timeout=timedelta(seconds=10))
+        try:
+            assert reductions_digest(manager) == ""
+            first = model(4)
+            kept = [DistributedDataParallel(manager, first)]
+            one = reductions_digest(manager)
+            assert one.startswith("25 values (")
+            kept.append(DistributedDataParallel(manager, first))  # wrapped again: the same parameters
+            assert reductions_digest(manager) == one
+            kept.append(DistributedDataParallel(manager, model(5)))
+            both = reductions_digest(manager)
+            assert both.startswith("56 values (") and both != one
+        finally:
+            manager.shutdown()
+            pg.shutdown()
+    with LighthouseServer(min_replicas=1) as lighthouse:
+        pg = ProcessGroupGloo(timeout=timedelta(seconds=10))
+        manager = Manager(pg, lighthouse_addr=lighthouse.address(), replica_id="digest2", timeout=timedelta(seconds=10))
+        try:
+            # other weights, the same shapes: the digest depends only on what is reduced
+            kept = [DistributedDataParallel(manager, model(4)), DistributedDataParallel(manager, model(5))]
+            assert reductions_digest(manager) == both
+        finally:
+            manager.shutdown()
+            pg.shutdown()
 
 
 @pytest.mark.timeout(120)

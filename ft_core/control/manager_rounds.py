@@ -4,12 +4,19 @@ redo; ft_core.control.manager_server holds the locks and the logic."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from ft_core.control.types import Quorum, common_redo_quorum_id
 from ft_core.errors import FTError
 
-__all__ = ["CommitRound", "QuorumRound", "RankRequest", "redo_quorum_id"]
+__all__ = ["CommitRound", "QuorumRound", "RankRequest", "answer_by", "redo_quorum_id"]
+
+
+def answer_by(timeout_s: float) -> float:
+    """When to give up on a caller with `timeout_s` left: a quarter of it (at most 0.5 s) before its deadline, so
+    it gets our explanation, not a bare DEADLINE_EXCEEDED, on a loaded machine too (0.1 s of 1 s was too little)."""
+    return time.monotonic() + timeout_s - min(0.5, 0.25 * timeout_s)
 
 
 @dataclass
@@ -24,6 +31,7 @@ class RankRequest:
     commit_quorum_id: int = 0
     rebuild: bool = False  # its process group is broken and no failure is counted yet (QuorumMember.rebuild)
     redo_quorum_id: int = 0  # the step attempt it redoes (QuorumMember.redo_quorum_id)
+    reductions: str = ""  # digest of what its rank reduces across groups (QuorumMember.reductions; "": unknown)
 
 
 @dataclass

@@ -32,7 +32,7 @@ from ft_core import net, settings
 from ft_core.control import manager_service, rpc
 from ft_core.control.heartbeat_stream import release_stream_loop, stream_loop
 from ft_core.control.lighthouse_client import LighthouseClient, StreamUnavailable
-from ft_core.control.manager_rounds import CommitRound, QuorumRound, RankRequest, redo_quorum_id
+from ft_core.control.manager_rounds import CommitRound, QuorumRound, RankRequest, answer_by, redo_quorum_id
 from ft_core.control.manager_client import ManagerClient
 from ft_core.control.manager_server_config import ManagerServerConfig, resolve_config
 from ft_core.control.notices import NoticeHub
@@ -51,12 +51,6 @@ KILL_EXIT_DELAY_S = 0.1  # lets the Kill response reach the caller before the pr
 STREAM_WAIT_S = 1.0  # longest a quorum round waits for a connecting heartbeat stream
 REPROBE_S = 2.0  # while this group reports unreachable peers, probe again this often during its long poll
 PROBE_S = 0.5  # longest the reachability probe of the previous quorum's peers takes after a failed step
-
-
-def answer_by(timeout_s: float) -> float:
-    """When to give up on a caller with `timeout_s` left: a quarter of it (at most 0.5 s) before its deadline, so
-    it gets our explanation, not a bare DEADLINE_EXCEEDED, on a loaded machine too (0.1 s of 1 s was too little)."""
-    return time.monotonic() + timeout_s - min(0.5, 0.25 * timeout_s)
 
 
 def _poll_s(member: QuorumMember, remaining_s: float) -> float:
@@ -252,10 +246,12 @@ class ManagerServer:
 
     def quorum_local(self, group_rank: int, step: int, checkpoint_metadata: str, shrink_only: bool,
                      timeout: timedelta | float, init_sync: bool = True, commit_failures: int = 0,
-                     commit_quorum_id: int = 0, rebuild: bool = False, redo_quorum_id: int = 0) -> QuorumResult:
+                     commit_quorum_id: int = 0, rebuild: bool = False, redo_quorum_id: int = 0,
+                     reductions: str = "") -> QuorumResult:
         """Join this group's quorum round as `group_rank` and return that rank's plan (no gRPC hop)."""
         rnd, entry, timeout_s, lead = self._join_round(group_rank, step, checkpoint_metadata, shrink_only, timeout,
-                                                       commit_failures, commit_quorum_id, rebuild, redo_quorum_id)
+                                                       commit_failures, commit_quorum_id, rebuild, redo_quorum_id,
+                                                       reductions)
         if lead:
             self._run_round(rnd)
         else:
@@ -264,8 +260,8 @@ class ManagerServer:
 
     def _join_round(self, group_rank: int, step: int, checkpoint_metadata: str, shrink_only: bool,
                     timeout: timedelta | float, commit_failures: int,
-                    commit_quorum_id: int, rebuild: bool = False,
-                    redo_quorum_id: int = 0) -> tuple[QuorumRound, RankRequest, float, bool]:
+                    commit_quorum_id: int, rebuild: bool = False, redo_quorum_id: int = 0,
+                    reductions: str = "") -> tuple[QuorumRound, RankRequest, float, bool]:
         """Validate a rank's Quorum call and add it to the round: (round, entry, timeout_s, lead?)."""
         self._check_rank("Quorum", group_rank)
         self._check_step("Quorum", step)
@@ -278,7 +274,7 @@ class ManagerServer:
         timeout_s = rpc.seconds(timeout)
         deadline = answer_by(timeout_s)
         entry = RankRequest(group_rank, step, shrink_only, commit_failures, deadline, commit_quorum_id, rebuild,
-                            redo_quorum_id)
+                            redo_quorum_id, reductions)
         with self._cond:
             self._check_open("Quorum")
             self._checkpoint_metadata[group_rank] = checkpoint_metadata
@@ -359,7 +355,8 @@ class ManagerServer:
             last_quorum_id=self._last_quorum_id, last_quorum_replica_ids=self._last_quorum_replica_ids,
             unreachable=self._probe_peers(commit_failures, deadline) if probe else (),
             commit_quorum_id=min(r.commit_quorum_id for r in requests),  # the oldest fork of any rank
-            rebuild=any(r.rebuild for r in requests), redo_quorum_id=redo_quorum_id(requests)), None, deadline
+            rebuild=any(r.rebuild for r in requests), redo_quorum_id=redo_quorum_id(requests),
+            reductions=next((r.reductions for r in requests if r.reductions), "")), None, deadline
 
     def _needs_probe(self, rnd: QuorumRound) -> bool:
         """Whether this round's lighthouse request first probes peers (after a failed step): a blocking part."""

@@ -32,6 +32,7 @@ class QuorumMember:
     last_quorum_replica_ids: tuple[str, ...] = ()  # members of quorum last_quorum_id (rule 10); not echoed back
     rebuild: bool = False  # its process group is broken with no failure counted yet (a redo): fresh quorum_id
     redo_quorum_id: int = 0  # the quorum id of the step attempt it redoes (ft_core.redo; 0: not a redo)
+    reductions: str = ""  # digest of the gradient chunks it reduces across groups (ft_core.ddp; "": unknown)
 
     # Spelled out field by field: these run for every member of every quorum on both sides of the
     # wire, and reflection (dataclasses.fields) made them the control plane's hottest Python code.
@@ -42,7 +43,7 @@ class QuorumMember:
                                    commit_failures=self.commit_failures, last_quorum_id=self.last_quorum_id,
                                    unreachable=self.unreachable, commit_quorum_id=self.commit_quorum_id,
                                    last_quorum_replica_ids=self.last_quorum_replica_ids, rebuild=self.rebuild,
-                                   redo_quorum_id=self.redo_quorum_id)
+                                   redo_quorum_id=self.redo_quorum_id, reductions=self.reductions)
 
     @classmethod
     def from_pb(cls, msg: ft_pb2.QuorumMember) -> "QuorumMember":
@@ -58,7 +59,7 @@ class QuorumMember:
                                unreachable=tuple(unreachable[:]) if unreachable else (),
                                commit_quorum_id=msg.commit_quorum_id,
                                last_quorum_replica_ids=tuple(reported[:]) if reported else (), rebuild=msg.rebuild,
-                               redo_quorum_id=msg.redo_quorum_id)
+                               redo_quorum_id=msg.redo_quorum_id, reductions=msg.reductions)
         return member
 
     def without_last_quorum(self) -> "QuorumMember":
@@ -94,6 +95,7 @@ class Roster:
     commit_quorum_ids: tuple[int, ...]
     commit_failures: tuple[int, ...]
     redo_quorum_ids: tuple[int, ...]
+    reductions: tuple[str, ...]
 
     @classmethod
     def of(cls, members: Any) -> "Roster":
@@ -104,7 +106,8 @@ class Roster:
                    world_sizes=tuple([m.world_size for m in members]),
                    commit_quorum_ids=tuple([m.commit_quorum_id for m in members]),
                    commit_failures=tuple([m.commit_failures for m in members]),
-                   redo_quorum_ids=tuple([m.redo_quorum_id for m in members]))
+                   redo_quorum_ids=tuple([m.redo_quorum_id for m in members]),
+                   reductions=tuple([m.reductions for m in members]))
 
 
 @dataclass(frozen=True)
