@@ -135,7 +135,8 @@ def test_batchnorm_buffers_are_identical_on_every_group_after_each_committed_ste
 
 
 @pytest.mark.timeout(120)
-def test_groups_whose_models_differ_are_refused_naming_them_instead_of_aborting_in_gloo(processes, tmp_path):
+@pytest.mark.parametrize("nproc", [1, 2], ids=["one process per group", "2 ranks per group"])
+def test_groups_whose_models_differ_are_refused_naming_them_instead_of_aborting_in_gloo(processes, tmp_path, nproc):
     """Found from outside: two groups started with models of different sizes ran their first allreduce with
     buffers of different lengths; Gloo's transport thread threw EnforceNotMet and the process aborted
     ("terminate called ... Received data size doesn't match"), with nothing of ours saying why. Each group
@@ -143,9 +144,9 @@ def test_groups_whose_models_differ_are_refused_naming_them_instead_of_aborting_
     naming both, before any collective; neither group commits a step."""
     rows = run_job(processes, tmp_path, [["--model", "batchnorm", "--steps", "3", "--no-init-sync"],
                                          ["--model", "batchnorm", "--width", "5", "--steps", "3", "--no-init-sync"]],
-                   min_replicas=2)
+                   min_replicas=2, nproc=nproc)
     end = finals(rows)
-    assert len(end) == 2 and all(row["step"] == 0 for row in end.values()), end
+    assert len(end) == 2 * nproc and all(row["step"] == 0 for row in end.values()), end
     refused = [row["error"] for row in end.values() if "reduce different gradients" in row["error"]]
     assert refused, end  # the other group may instead have found no quorum once the first had left
     for error in refused:
