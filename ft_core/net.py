@@ -287,13 +287,13 @@ def _probe_bind(host: str, port: int) -> OSError | None:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError as exc:  # socket.gaierror: neither an address nor a name that resolves
         return exc
-    for family, kind, proto, _, sockaddr in infos[:1]:
-        with socket.socket(family, kind, proto) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind(sockaddr)
-            except OSError as exc:
-                return exc
+    family, kind, proto, _, sockaddr = infos[0]  # the address a server binds first
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(sockaddr)
+        except OSError as exc:
+            return exc
     return None
 
 
