@@ -49,7 +49,8 @@ from ft_core.process_groups import ProcessGroupDummy
 if TYPE_CHECKING:
     from ft_core.manager import Manager
 
-__all__ = ["DistributedDataParallel", "backward_scale", "register_comm_hook", "canonical_chunks", "reductions_digest"]
+__all__ = ["DistributedDataParallel", "backward_scale", "register_comm_hook", "canonical_chunks", "reductions_digest",
+           "register_reductions"]
 
 logger = logging.getLogger(__name__)
 
@@ -319,14 +320,27 @@ class _HookState:
 
 
 _HOOKS: "weakref.WeakKeyDictionary[Manager, weakref.WeakSet[_HookState]]" = weakref.WeakKeyDictionary()
+# what other users of `Manager.allreduce` reduce (LocalSGD, DiLoCo's fragments), by owner, while the owner lives
+_OTHERS: "weakref.WeakKeyDictionary[Manager, weakref.WeakKeyDictionary[Any, tuple[frozenset[int], tuple[int, int]]]]" \
+    = weakref.WeakKeyDictionary()
+
+
+def register_reductions(manager: "Manager", owner: Any, tensors: list[torch.Tensor], layout: str = "") -> None:
+    """Count `tensors` (what `owner` reduces across groups with `manager.allreduce`, in this order, packed as
+    `layout` says) in `manager`'s reductions digest for as long as `owner` lives."""
+    shape = ";".join(f"{t.numel()}:{t.dtype}" for t in tensors) + layout
+    entry = (frozenset(id(t) for t in tensors), (sum(t.numel() for t in tensors), zlib.crc32(shape.encode())))
+    _OTHERS.setdefault(manager, weakref.WeakKeyDictionary())[owner] = entry
 
 
 def reductions_digest(manager: "Manager") -> str:
-    """What `manager`'s fault-tolerant DDP models reduce across groups, in short ("3680522 values (1a2b3c4d)";
-    "" with none yet): sent with each quorum request, so a quorum mixing groups whose models (or bucket sizes)
-    differ is refused naming them (ft_core.control.recovery) instead of running mismatched collectives."""
-    digests = sorted({state.reducer.parameters: state.reducer.digest for state in list(_HOOKS.get(manager, ()))}
-                     .values())
+    """What `manager`'s fault-tolerant DDP models (and LocalSGD, DiLoCo) reduce across groups, in short
+    ("3680522 values (1a2b3c4d)"; "" with none yet): sent with each quorum request, so a quorum mixing groups
+    whose models (or bucket sizes) differ is refused naming them (ft_core.control.recovery) instead of running
+    mismatched collectives. The same tensors registered twice (a model wrapped again) count once."""
+    entries = {state.reducer.parameters: state.reducer.digest for state in list(_HOOKS.get(manager, ()))}
+    entries.update(list(_OTHERS.get(manager, {}).values()))
+    digests = sorted(entries.values())
     if not digests:
         return ""
     return f"{sum(n for n, _ in digests)} values ({zlib.crc32(repr(digests).encode()):08x})"

@@ -29,6 +29,7 @@ import torch
 from torch import nn, optim
 
 from ft_core.checkpointing.dtensor_wire import is_dtensor
+from ft_core.ddp import register_reductions
 
 if TYPE_CHECKING:
     from ft_core.manager import Manager
@@ -130,6 +131,9 @@ class DiLoCoFragment:
             if pin_memory and t.device.type == "cpu" and torch.cuda.is_available():
                 t = t.pin_memory()
             self.original_parameters[name] = t
+        # a peer that splits or packs the model otherwise is refused at the quorum (ft_core.ddp.reductions_digest)
+        register_reductions(manager, self, list(model_fragment.parameters()),
+                            f"|fragment {fragment_id}|bucket {self.bucket_cap_mb if use_bucketization else 0}")
 
     @property
     def fragment_id(self) -> int:

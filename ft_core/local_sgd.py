@@ -36,6 +36,7 @@ import torch
 from torch import nn, optim
 
 from ft_core.checkpointing.dtensor_wire import is_dtensor
+from ft_core.ddp import register_reductions
 from ft_core.diloco import DiLoCoFragment, extract_local_tensor
 from ft_core.errors import ConfigError
 
@@ -100,6 +101,7 @@ class LocalSGD:
         self._sync_every = _check_sync_every(sync_every)
         self._local_step = 0
         self._hooks = _InnerLoopHooks(manager, optimizer)
+        register_reductions(manager, self, list(model.parameters()))  # a peer with another model is refused
 
     def __enter__(self) -> "LocalSGD":
         self._hooks.install(self._after_inner_step)

@@ -9,6 +9,7 @@ stale weights visibly moves the average, and groups in sync stay bit-identical.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -19,6 +20,7 @@ from torch.distributed import ReduceOp
 
 from ft_core.ddp import DistributedDataParallel
 from ft_core.errors import ConfigError, FTError
+from ft_core.local_sgd import DiLoCo, LocalSGD
 from ft_core.manager import Manager
 from ft_core.process_groups import ProcessGroupGloo
 
@@ -38,9 +40,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip-first-vote", action="store_true", help="skip should_commit() in the first step")
     p.add_argument("--extreme", default="", choices=("", "max", "min"), help="also reduce [-5 - 2*group]")
     p.add_argument("--vote-then-reduce", action="store_true", help="allreduce after should_commit (must raise)")
-    p.add_argument("--model", default="vector", choices=("vector", "batchnorm", "unwrapped"),
+    p.add_argument("--model", default="vector", choices=("vector", "batchnorm", "unwrapped", "localsgd", "diloco"),
                    help="batchnorm: a BatchNorm model under ft_core DDP, each group on other data; "
-                        "unwrapped: the same model without the DDP wrapper (nothing reduces its gradients)")
+                        "unwrapped: the same model without the DDP wrapper (nothing reduces its gradients); "
+                        "localsgd, diloco: the same model trained with LocalSGD or DiLoCo, a sync every step")
     p.add_argument("--width", type=int, default=4, help="hidden width of the module models (a group given another "
                                                        "width reduces other gradients than its peers)")
     p.add_argument("--out", required=True)
@@ -57,24 +60,35 @@ def train_module(args: argparse.Namespace, rank: int) -> int:
     pg = ProcessGroupGloo(timeout=timedelta(seconds=args.timeout))
     manager = Manager(pg, load_state_dict=model.load_state_dict, state_dict=model.state_dict,
                       min_replica_size=args.min_replicas, replica_id=f"g{args.group}", init_sync=not args.no_init_sync,
-                      timeout=timedelta(seconds=args.timeout), quorum_timeout=timedelta(seconds=30),
-                      connect_timeout=timedelta(seconds=30))
+                      use_async_quorum=args.model != "diloco", timeout=timedelta(seconds=args.timeout),
+                      quorum_timeout=timedelta(seconds=30), connect_timeout=timedelta(seconds=30))
     net = DistributedDataParallel(manager, model) if args.model == "batchnorm" else model
+    semi_sync = contextlib.nullcontext()
+    if args.model == "localsgd":
+        semi_sync = LocalSGD(manager, model, opt, sync_every=1)
+    elif args.model == "diloco":
+        semi_sync = DiLoCo(manager, [model], opt, torch.optim.SGD(model.parameters(), lr=0.7), sync_every=1)
     gen = torch.Generator().manual_seed(100 + args.group)  # each group sees other data
     out = open(args.out, "a")
     error = ""
     try:
-        while manager.current_step() < args.steps:
-            manager.start_quorum()
-            opt.zero_grad()
-            x = torch.randn(8, 4, generator=gen) * (1 + args.group)
-            net(x).pow(2).mean().backward()
-            if manager.should_commit():
-                opt.step()
-            buffers = {k: v.tolist() for k, v in model.state_dict().items() if "running" in k or "num_batches" in k}
-            out.write(json.dumps({"group": args.group, "rank": rank, "step": manager.current_step(),
-                                  "buffers": buffers}) + "\n")
-            out.flush()
+        with semi_sync:
+            while manager.current_step() < args.steps:
+                if args.model in ("localsgd", "diloco"):  # the sync (quorum, allreduce, vote) runs in opt.step()
+                    opt.zero_grad()
+                    net(torch.randn(8, 4, generator=gen) * (1 + args.group)).pow(2).mean().backward()
+                    opt.step()
+                    continue
+                manager.start_quorum()
+                opt.zero_grad()
+                x = torch.randn(8, 4, generator=gen) * (1 + args.group)
+                net(x).pow(2).mean().backward()
+                if manager.should_commit():
+                    opt.step()
+                buffers = {k: v.tolist() for k, v in model.state_dict().items() if "running" in k or "num_batches" in k}
+                out.write(json.dumps({"group": args.group, "rank": rank, "step": manager.current_step(),
+                                      "buffers": buffers}) + "\n")
+                out.flush()
     except FTError as exc:  # the refusal (ConfigError), or a quorum that cannot form once the peer left
         error = f"{type(exc).__name__}: {exc}"
     finally:

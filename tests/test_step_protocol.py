@@ -11,13 +11,14 @@ Each test failed on main before issue 13's fix (the worker is tests/_protocol_wo
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
 import subprocess
 import sys
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ import torch
 from conftest import child_env
 from ft_core.control.lighthouse import LighthouseServer
 from ft_core.ddp import DistributedDataParallel, reductions_digest
+from ft_core.local_sgd import DiLoCo, LocalSGD
 from ft_core.manager import Manager
 from ft_core.process_groups import ProcessGroupGloo
 
@@ -135,15 +137,18 @@ def test_batchnorm_buffers_are_identical_on_every_group_after_each_committed_ste
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("nproc", [1, 2], ids=["one process per group", "2 ranks per group"])
-def test_groups_whose_models_differ_are_refused_naming_them_instead_of_aborting_in_gloo(processes, tmp_path, nproc):
+@pytest.mark.parametrize("model, nproc", [("batchnorm", 1), ("batchnorm", 2), ("localsgd", 1), ("diloco", 1)],
+                         ids=["one process per group", "2 ranks per group", "LocalSGD", "DiLoCo"])
+def test_groups_whose_models_differ_are_refused_naming_them_instead_of_aborting_in_gloo(processes, tmp_path, model,
+                                                                                       nproc):
     """Found from outside: two groups started with models of different sizes ran their first allreduce with
     buffers of different lengths; Gloo's transport thread threw EnforceNotMet and the process aborted
     ("terminate called ... Received data size doesn't match"), with nothing of ours saying why. Each group
     now sends a digest of what it reduces with its quorum request, and a quorum mixing two is refused,
-    naming both, before any collective; neither group commits a step."""
-    rows = run_job(processes, tmp_path, [["--model", "batchnorm", "--steps", "3", "--no-init-sync"],
-                                         ["--model", "batchnorm", "--width", "5", "--steps", "3", "--no-init-sync"]],
+    naming both, before any collective; neither group commits a step. LocalSGD and DiLoCo reduce through
+    `Manager.allreduce` outside the DDP hook, and were still met by Gloo's abort until they sent it too."""
+    rows = run_job(processes, tmp_path, [["--model", model, "--steps", "3", "--no-init-sync"],
+                                         ["--model", model, "--width", "5", "--steps", "3", "--no-init-sync"]],
                    min_replicas=2, nproc=nproc)
     end = finals(rows)
     assert len(end) == 2 * nproc and all(row["step"] == 0 for row in end.values()), end
@@ -190,6 +195,49 @@ def test_the_reductions_digest_counts_each_model_once_and_tells_models_apart():
         finally:
             manager.shutdown()
             pg.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_local_sgd_and_diloco_send_what_they_reduce_while_they_live():
+    """LocalSGD averages the parameters and DiLoCo each fragment's pseudo-gradients with `Manager.allreduce`:
+    they count in the digest while they live; DiLoCo's split into fragments and its bucket packing count too."""
+    def model(width: int) -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Linear(width, 1))
+
+    def digest_of(build: Callable[[Manager, torch.nn.Module], Any], net: torch.nn.Module) -> str:
+        with LighthouseServer(min_replicas=1) as lighthouse:
+            pg = ProcessGroupGloo(timeout=timedelta(seconds=10))
+            manager = Manager(pg, lighthouse_addr=lighthouse.address(), replica_id="digest", use_async_quorum=False,
+                              timeout=timedelta(seconds=10))
+            try:
+                owner = build(manager, net)
+                digest = reductions_digest(manager)
+                if isinstance(owner, LocalSGD):  # (DiLoCo lives on in the Manager's state functions, as it should)
+                    del owner
+                    gc.collect()
+                    assert reductions_digest(manager) == "", "a collected LocalSGD still counted"
+                return digest
+            finally:
+                manager.shutdown()
+                pg.shutdown()
+
+    def local_sgd(manager: Manager, net: torch.nn.Module) -> Any:
+        return LocalSGD(manager, net, torch.optim.SGD(net.parameters(), lr=0.1), sync_every=2)
+
+    def diloco(fragments: int, **kw: Any) -> Callable[[Manager, torch.nn.Module], Any]:
+        def build(manager: Manager, net: torch.nn.Module) -> Any:
+            parts = [net] if fragments == 1 else list(net)
+            return DiLoCo(manager, parts, torch.optim.SGD(net.parameters(), lr=0.1),
+                          torch.optim.SGD(net.parameters(), lr=0.7), sync_every=2, **kw)
+        return build
+
+    assert digest_of(local_sgd, model(4)).startswith("25 values (")
+    assert digest_of(local_sgd, model(5)).startswith("31 values (")
+    plain, split = digest_of(diloco(1), model(4)), digest_of(diloco(2), model(4))
+    packed = digest_of(diloco(1, use_bucketization=True, bucket_cap_mb=1), model(4))
+    assert plain.startswith("25 values (") and split.startswith("25 values (") and packed.startswith("25 values (")
+    assert len({plain, split, packed}) == 3, (plain, split, packed)
+    assert digest_of(diloco(2), model(4)) == split  # other weights, the same split: the same digest
 
 
 @pytest.mark.timeout(120)

@@ -72,8 +72,8 @@ def _layout_of(quorum: Quorum, init_sync: bool) -> _Layout:
         by_digest = ", ".join(f"{ids[r]} reduces {roster.reductions[i] or '(not known yet)'}"
                               for r, i in enumerate(order))
         error = (f"quorum {quorum.quorum_id} mixes replica groups that reduce different gradients ({by_digest}): "
-                 f"their models (or DDP bucket settings) differ, so their collectives would not match; start every "
-                 f"group with the same model and the same DDP arguments")
+                 f"their models (or DDP bucket, LocalSGD or DiLoCo fragment settings) differ, so their collectives "
+                 f"would not match; start every group with the same model and the same arguments")
     max_step = max(steps, default=0)
     # Groups at max_step are identical only if they committed it in the same quorum: a step committed
     # by a group alone (its peers' votes failed) and again by others later is a fork. The latest
