@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import zygote
 
 # Name lookups can stall 5 s on these machines: fail fast, and use literal 127.0.0.1 everywhere.
 os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
@@ -98,8 +99,15 @@ class Processes:
         self.handles: list[subprocess.Popen] = []
 
     def spawn(self, args: list[str], *, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+        """`python script.py ...` and `python -m module ...` with output to files are forked from an
+        interpreter that imported torch once (tests/zygote.py); anything else is a fresh process."""
         kwargs.setdefault("start_new_session", True)
-        proc = subprocess.Popen(args, env=env or child_env(), **kwargs)
+        env = env or child_env()
+        if zygote.eligible(args, kwargs):
+            proc: Any = zygote.Zygote.get(child_env()).spawn(list(args), env, kwargs)
+            self.handles.append(proc)
+            return proc
+        proc = subprocess.Popen(args, env=env, **kwargs)
         self.handles.append(proc)
         return proc
 

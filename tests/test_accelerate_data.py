@@ -33,13 +33,13 @@ def loop_epochs_follow_the_data(tmp_path) -> None:
 
 
 def run_with_kills(processes, tmp_path, *, kills: int, args: list[str], nproc: int = 1,
-                   kill_before_epoch: int) -> list[LedgerGroup]:
+                   kill_before_epoch: int, restart_after: float = 0.0) -> list[LedgerGroup]:
     """test_data_ledger's driver, with every step slow (`--step-sleep`) only while kills are still to come:
     an Accelerate restart takes seconds (much more on a loaded machine); every group must then finish."""
     return ledger_run_with_kills(processes, tmp_path, kills=kills, args=args, nproc=nproc,
                                  timeout=800.0 if SLOW else 110.0,
                                  kill_before_epoch=kill_before_epoch, gate_epoch=0,
-                                 join_before_epoch=kill_before_epoch + 1, worker=WORKER)
+                                 join_before_epoch=kill_before_epoch + 1, worker=WORKER, restart_after=restart_after)
 
 
 @pytest.mark.timeout(900 if SLOW else 120)
@@ -70,7 +70,7 @@ def test_accelerate_ledger_three_groups_with_kills(processes, tmp_path, variant,
 def test_accelerate_global_batch_size_trains_exactly_g_samples_per_step_through_1_2_3_participants(
         processes, tmp_path):
     size, g = 240, 12
-    run_with_kills(processes, tmp_path, kills=3, kill_before_epoch=4,
+    run_with_kills(processes, tmp_path, kills=3, kill_before_epoch=4, restart_after=2.0,
                    args=["--epochs", "5", "--size", str(size), "--step-sleep", "0.5", "--global-batch-size", str(g)])
     check_ledger(tmp_path, size)
     files = read_ledgers(tmp_path)

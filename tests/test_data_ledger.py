@@ -355,14 +355,18 @@ def _history(by_after: dict[str, list[dict]], fp: str) -> list[dict] | None:
 
 def run_with_kills(processes, tmp_path, *, groups: int = 3, kills: int = 10, args: list[str],
                    nproc: int = 1, timeout: float = 100.0, kill_before_epoch: int = 4, gate_epoch: int | None = None,
-                   join_before_epoch: int | None = None, worker: str = WORKER) -> list[LedgerGroup]:
+                   join_before_epoch: int | None = None, worker: str = WORKER,
+                   restart_after: float = 0.0) -> list[LedgerGroup]:
     """Start the groups, SIGKILL and restart one every 0.2-0.6 s (never the last one training) until
     `kills`, all before epoch `kill_before_epoch` (the epochs after it let every restart heal: a group
     restarted once every other has finished would train alone from step 0), then wait for the end.
 
     Until every restart has joined, the workers' `--gate` file exists: steps from `gate_epoch` on (by default
     the last killing epoch) run slowly, so a slow restart on a busy machine cannot let the job outrun the
-    kills. `join_before_epoch`: fail if the job reaches it before the last restart joined."""
+    kills. `join_before_epoch`: fail if the job reaches it before the last restart joined. `restart_after`:
+    seconds a killed group stays down before its restart, so that the others take steps without it (a
+    restart itself is quick: test processes are forked from an interpreter that imported torch,
+    tests/zygote.py)."""
     rng = random.Random(11)
     gate = os.path.join(str(tmp_path), "killing")
     open(gate, "w").close()
@@ -372,7 +376,7 @@ def run_with_kills(processes, tmp_path, *, groups: int = 3, kills: int = 10, arg
         gs = [LedgerGroup(processes, tmp_path, g, groups, lighthouse.address(), args, nproc, worker)
               for g in range(groups)]
         try:
-            _drive(gs, rng, kills, timeout, kill_before_epoch, join_before_epoch, gate)
+            _drive(gs, rng, kills, timeout, kill_before_epoch, join_before_epoch, gate, restart_after)
         finally:
             for g in gs:
                 if g.proc is not None:
@@ -381,7 +385,7 @@ def run_with_kills(processes, tmp_path, *, groups: int = 3, kills: int = 10, arg
 
 
 def _drive(gs: list[LedgerGroup], rng: random.Random, kills: int, timeout: float, kill_before_epoch: int,
-           join_before_epoch: int | None, gate: str) -> None:
+           join_before_epoch: int | None, gate: str, restart_after: float) -> None:
     for g in gs:
         g.start()
     deadline = time.monotonic() + timeout
@@ -399,6 +403,7 @@ def _drive(gs: list[LedgerGroup], rng: random.Random, kills: int, timeout: float
             continue
         victim = rng.choice(victims)
         victim.kill()
+        time.sleep(restart_after)
         victim.start()
         done += 1
     while not all(g.outcomes() >= 1 for g in gs):  # the last restart joins (heals) before the job may end
@@ -546,7 +551,7 @@ def test_global_batch_size_trains_exactly_g_samples_per_step_through_1_2_3_parti
     """global_batch_size=12: every committed step whose participants all held their batch consumes 12
     samples (an epoch's last step what is left), whatever the number of participants."""
     size, g = 240, 12
-    run_with_kills(processes, tmp_path, kills=3, kill_before_epoch=3,
+    run_with_kills(processes, tmp_path, kills=3, kill_before_epoch=3, restart_after=0.5,
                    args=["--epochs", "5", "--size", str(size), "--step-sleep", "0.1", "--global-batch-size", str(g)])
     check_ledger(tmp_path, size)
     files = read_ledgers(tmp_path)

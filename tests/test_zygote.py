@@ -1,0 +1,97 @@
+"""The test processes forked from a preloaded interpreter (tests/zygote.py) behave as fresh ones for what the
+tests rely on: exit codes and signals, a pid reserved until reaped, the environment, working directory,
+output files, session and ignored signals asked for, and a random state of their own."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import zygote
+from conftest import child_env
+
+SCRIPT = """
+import json, os, random, signal, sys, time
+out = {"argv": sys.argv[1:], "cwd": os.getcwd(), "env": os.environ.get("ZYGOTE_PROBE"), "pgid": os.getpgid(0),
+       "pid": os.getpid(), "random": random.random(), "main": __name__,
+       "sigint_ignored": signal.getsignal(signal.SIGINT) is signal.SIG_IGN, "torch": "torch" in sys.modules}
+print(json.dumps(out), flush=True)
+if sys.argv[1] == "exit":
+    sys.exit(int(sys.argv[2]))
+if sys.argv[1] == "raise":
+    raise ValueError("raised in the child")
+time.sleep(60)
+"""
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "probe.py"
+    path.write_text(SCRIPT)
+    return str(path)
+
+
+def _spawn(processes, script, tmp_path, *args: str, **kwargs):
+    out = open(tmp_path / f"out{len(processes.handles)}.txt", "w+")  # noqa: SIM115 (read below)
+    proc = processes.spawn([sys.executable, script, *args], env=child_env(ZYGOTE_PROBE="seen"), stdout=out,
+                           stderr=subprocess.STDOUT, cwd=str(tmp_path), **kwargs)
+    return proc, out
+
+
+def _lines(out) -> list[str]:
+    out.seek(0)
+    return out.read().splitlines()
+
+
+pytestmark = pytest.mark.skipif(os.environ.get("FT_TEST_FRESH_PROCESSES") == "1", reason="fresh processes asked for")
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_test_process_behaves_as_a_fresh_one(processes, script, tmp_path):
+    done, out = _spawn(processes, script, tmp_path, "exit", "3")
+    assert isinstance(done, zygote.ForkedProcess)
+    assert done.wait(timeout=60) == 3
+    first = json.loads(_lines(out)[0])
+    assert first["argv"] == ["exit", "3"] and first["cwd"] == str(tmp_path) and first["env"] == "seen"
+    assert first["main"] == "__main__" and first["torch"]  # preloaded
+    assert first["pgid"] == first["pid"] == done.pid  # its own session, as processes.spawn asks
+    assert not first["sigint_ignored"]
+
+    failed, out = _spawn(processes, script, tmp_path, "raise")
+    assert failed.wait(timeout=60) == 1
+    assert "ValueError: raised in the child" in "\n".join(_lines(out))
+
+    sleeper, out = _spawn(processes, script, tmp_path, "sleep")
+    deadline = time.monotonic() + 60
+    while not _lines(out):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert json.loads(_lines(out)[0])["random"] != first["random"]  # reseeded, not the zygote's state
+    os.killpg(sleeper.pid, signal.SIGKILL)
+    time.sleep(0.5)  # dead, reported, not reaped: the pid is still this child's (a zombie), as with Popen
+    with open(f"/proc/{sleeper.pid}/stat") as f:
+        assert f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    assert sleeper.wait(timeout=10) == -signal.SIGKILL
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a child inherits an ignored SIGINT across exec
+    try:
+        ignoring, out = _spawn(processes, script, tmp_path, "exit", "0")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert ignoring.wait(timeout=60) == 0
+    assert json.loads(_lines(out)[0])["sigint_ignored"]
+
+
+def test_only_plain_script_and_module_runs_with_output_to_files_are_forked():
+    assert zygote.eligible([sys.executable, __file__], {"stdout": subprocess.DEVNULL})
+    assert zygote.eligible([sys.executable, "-m", "ft_core", "x"], {})
+    assert not zygote.eligible([sys.executable, "-c", "pass"], {})
+    assert not zygote.eligible([sys.executable, "-u", __file__], {})
+    assert not zygote.eligible(["ip", "netns", "exec", "h1", sys.executable, __file__], {})
+    assert not zygote.eligible([sys.executable, __file__], {"stdout": subprocess.PIPE})
+    assert not zygote.eligible([sys.executable, __file__], {"pass_fds": [3]})
