@@ -103,7 +103,7 @@ class Processes:
         interpreter that imported torch once (tests/zygote.py); anything else is a fresh process."""
         kwargs.setdefault("start_new_session", True)
         env = env or child_env()
-        if zygote.eligible(args, kwargs):
+        if zygote.eligible(args, env, kwargs):
             proc: Any = zygote.Zygote.get(child_env()).spawn(list(args), env, kwargs)
             self.handles.append(proc)
             return proc

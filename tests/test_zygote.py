@@ -1,6 +1,7 @@
 """The test processes forked from a preloaded interpreter (tests/zygote.py) behave as fresh ones for what the
 tests rely on: exit codes and signals, a pid reserved until reaped, the environment, working directory,
-output files, session and ignored signals asked for, and a random state of their own."""
+output files, session and ignored signals asked for, a random state of their own, and (from one spawn to
+the next) another hash seed."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ SCRIPT = """
 import json, os, random, signal, sys, time
 out = {"argv": sys.argv[1:], "cwd": os.getcwd(), "env": os.environ.get("ZYGOTE_PROBE"), "pgid": os.getpgid(0),
        "pid": os.getpid(), "random": random.random(), "main": __name__,
-       "sigint_ignored": signal.getsignal(signal.SIGINT) is signal.SIG_IGN, "torch": "torch" in sys.modules}
+       "sigint_ignored": signal.getsignal(signal.SIGINT) is signal.SIG_IGN, "torch": "torch" in sys.modules,
+       "hash": hash("ft-lightning")}
 print(json.dumps(out), flush=True)
 if sys.argv[1] == "exit":
     sys.exit(int(sys.argv[2]))
@@ -66,6 +68,8 @@ def test_a_forked_test_process_behaves_as_a_fresh_one(processes, script, tmp_pat
     failed, out = _spawn(processes, script, tmp_path, "raise")
     assert failed.wait(timeout=60) == 1
     assert "ValueError: raised in the child" in "\n".join(_lines(out))
+    # the next spawn came from the other server: another hash seed, as another fresh interpreter would have
+    assert json.loads(_lines(out)[0])["hash"] != first["hash"]
 
     sleeper, out = _spawn(processes, script, tmp_path, "sleep")
     deadline = time.monotonic() + 60
@@ -89,10 +93,12 @@ def test_a_forked_test_process_behaves_as_a_fresh_one(processes, script, tmp_pat
 
 
 def test_only_plain_script_and_module_runs_with_output_to_files_are_forked():
-    assert zygote.eligible([sys.executable, __file__], {"stdout": subprocess.DEVNULL})
-    assert zygote.eligible([sys.executable, "-m", "ft_core", "x"], {})
-    assert not zygote.eligible([sys.executable, "-c", "pass"], {})
-    assert not zygote.eligible([sys.executable, "-u", __file__], {})
-    assert not zygote.eligible(["ip", "netns", "exec", "h1", sys.executable, __file__], {})
-    assert not zygote.eligible([sys.executable, __file__], {"stdout": subprocess.PIPE})
-    assert not zygote.eligible([sys.executable, __file__], {"pass_fds": [3]})
+    env = child_env()
+    assert zygote.eligible([sys.executable, __file__], env, {"stdout": subprocess.DEVNULL})
+    assert zygote.eligible([sys.executable, "-m", "ft_core", "x"], env, {})
+    assert not zygote.eligible([sys.executable, "-c", "pass"], env, {})
+    assert not zygote.eligible([sys.executable, "-u", __file__], env, {})
+    assert not zygote.eligible(["ip", "netns", "exec", "h1", sys.executable, __file__], env, {})
+    assert not zygote.eligible([sys.executable, __file__], env, {"stdout": subprocess.PIPE})
+    assert not zygote.eligible([sys.executable, __file__], env, {"pass_fds": [3]})
+    assert not zygote.eligible([sys.executable, __file__], {**env, "PYTHONHASHSEED": "0"}, {})

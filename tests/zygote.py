@@ -9,7 +9,10 @@ preload and DataLoader's fork workers do the same). The child is a real process:
 and exits as one, and its pid stays reserved until the test reaps it, as a `subprocess.Popen` child's
 does (the server reports an exit without reaping, and reaps when the handle is polled or waited on).
 What the tests do not exercise this way is importing torch, which is not ours; benchmarks/ times a real
-cold start. FT_TEST_FRESH_PROCESSES=1 starts every child as a fresh interpreter instead.
+cold start. Children of one server share its hash seed (string hashing, so set order) where fresh
+interpreters each draw their own: two servers with different seeds take spawns in turn, so the groups of
+one test mostly differ in it, as fresh ones would (the chaos runs, the demo and the simulated-host tests
+start fresh interpreters throughout). FT_TEST_FRESH_PROCESSES=1 starts every child as a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -45,9 +48,11 @@ def _target(args: list[str]) -> tuple[str, str] | None:
     return None
 
 
-def eligible(args: list[str], kwargs: dict[str, Any]) -> bool:
+def eligible(args: list[str], env: dict[str, str], kwargs: dict[str, Any]) -> bool:
     """Whether a spawn can be served here: a script or module run, output to files (no pipes)."""
     if os.environ.get("FT_TEST_FRESH_PROCESSES") == "1" or _target(args) is None or set(kwargs) - _PLAIN_KWARGS:
+        return False
+    if "PYTHONHASHSEED" in env:  # a seed asked for: only a fresh start sets it
         return False
     if kwargs.get("stdin") not in (None, subprocess.DEVNULL):
         return False
@@ -110,10 +115,13 @@ class ForkedProcess:
 
 
 class Zygote:
-    """The client: one server per pytest process, started on first use, ended at exit."""
+    """The client: SERVERS servers per pytest process (each its own hash seed), started on first use and
+    taking spawns in turn, ended when the pytest process exits."""
 
-    _instance: "Zygote | None" = None
-    _instance_lock = threading.Lock()
+    SERVERS = 2
+    _pool: "list[Zygote | None]" = [None] * SERVERS
+    _turn = 0
+    _pool_lock = threading.Lock()
 
     def __init__(self, env: dict[str, str]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -134,10 +142,13 @@ class Zygote:
 
     @classmethod
     def get(cls, env: dict[str, str]) -> "Zygote":
-        with cls._instance_lock:
-            if cls._instance is None or cls._instance._dead:
-                cls._instance = Zygote(env)
-            return cls._instance
+        with cls._pool_lock:
+            cls._turn = (cls._turn + 1) % cls.SERVERS
+            server = cls._pool[cls._turn]
+            if server is None or server._dead:
+                seed = str(int.from_bytes(os.urandom(4), "little"))
+                server = cls._pool[cls._turn] = Zygote({**env, "PYTHONHASHSEED": seed})
+            return server
 
     def send(self, msg: dict[str, Any], fds: list[int] | None = None) -> None:
         with self._send_lock:
