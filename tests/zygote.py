@@ -12,11 +12,13 @@ What the tests do not exercise this way is importing torch, which is not ours; b
 cold start. Children of one server share its hash seed (string hashing, so set order) where fresh
 interpreters each draw their own: two servers with different seeds take spawns in turn, so the groups of
 one test mostly differ in it, as fresh ones would (the chaos runs, the demo and the simulated-host tests
-start fresh interpreters throughout). FT_TEST_FRESH_PROCESSES=1 starts every child as a fresh interpreter.
+start fresh interpreters throughout). A child's command line in /proc (and `ps`) stays the server's.
+FT_TEST_FRESH_PROCESSES=1 starts every child as a fresh interpreter.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
@@ -143,12 +145,34 @@ class Zygote:
     @classmethod
     def get(cls, env: dict[str, str]) -> "Zygote":
         with cls._pool_lock:
+            if not any(cls._pool):
+                atexit.register(cls.shutdown_all)
             cls._turn = (cls._turn + 1) % cls.SERVERS
             server = cls._pool[cls._turn]
             if server is None or server._dead:
                 seed = str(int.from_bytes(os.urandom(4), "little"))
                 server = cls._pool[cls._turn] = Zygote({**env, "PYTHONHASHSEED": seed})
             return server
+
+    @classmethod
+    def shutdown_all(cls) -> None:
+        with cls._pool_lock:
+            servers, cls._pool = [s for s in cls._pool if s is not None], [None] * cls.SERVERS
+        for server in servers:
+            server.shutdown()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """End the server: it kills the children still running (their tests have ended them already)."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(timeout)
 
     def send(self, msg: dict[str, Any], fds: list[int] | None = None) -> None:
         with self._send_lock:
