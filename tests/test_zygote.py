@@ -15,6 +15,7 @@ import time
 import pytest
 import zygote
 from conftest import child_env
+from proctree import proc_table, still_running
 
 SCRIPT = """
 import json, os, random, signal, sys, time
@@ -102,3 +103,22 @@ def test_only_plain_script_and_module_runs_with_output_to_files_are_forked():
     assert not zygote.eligible([sys.executable, __file__], env, {"stdout": subprocess.PIPE})
     assert not zygote.eligible([sys.executable, __file__], env, {"pass_fds": [3]})
     assert not zygote.eligible([sys.executable, __file__], {**env, "PYTHONHASHSEED": "0"}, {})
+
+
+@pytest.mark.timeout(60)
+def test_a_wait_on_a_child_of_a_zygote_that_died_fails_at_once_instead_of_hanging(script, tmp_path):
+    server = zygote.Zygote(child_env())  # not the shared pool: this one is killed
+    out = open(tmp_path / "out.txt", "w")  # noqa: SIM115 (closed below)
+    try:
+        child = server.spawn([sys.executable, script, "sleep"], child_env(), {"stdout": out, "stderr": out,
+                                                                                "start_new_session": True})
+        named = {(child.pid, proc_table()[child.pid][1])}  # (pid, start time): safe against pid reuse
+        server._proc.kill()
+        server._proc.wait(10)
+        with pytest.raises(RuntimeError, match="zygote ended"):
+            child.wait(timeout=30)
+        for pid, _start in still_running(named):  # the orphan (its own session) is ended here
+            os.killpg(pid, signal.SIGKILL)
+    finally:
+        server.shutdown()
+        out.close()

@@ -73,6 +73,7 @@ class ForkedProcess:
         self.returncode: int | None = None
         self.stdin = self.stdout = self.stderr = None  # no pipes (those spawns are not served here)
         self._exit: int | None = None  # reported by the zygote, not yet reaped
+        self._orphaned = False  # the zygote ended first: its exit can no longer be known
         self._exited = threading.Event()
         self._reap_lock = threading.Lock()
 
@@ -80,8 +81,15 @@ class ForkedProcess:
         self._exit = code
         self._exited.set()
 
+    def _orphan(self) -> None:
+        self._orphaned = True
+        self._exited.set()
+
     def poll(self) -> int | None:
         with self._reap_lock:  # one reap: a second, after the pid was reused, would reap another child
+            if self._orphaned and self.returncode is None:
+                raise RuntimeError(f"the test zygote ended while its child {self.pid} ran: that child's exit "
+                                   f"cannot be known (run with FT_TEST_FRESH_PROCESSES=1 to bypass the zygote)")
             if self.returncode is None and self._exited.is_set():
                 self._zygote.send({"op": "reap", "pid": self.pid})  # from now on the pid may be reused
                 self._zygote.forget(self)
@@ -204,6 +212,9 @@ class Zygote:
         self._ready.set()
         with self._answered:
             self._answered.notify_all()
+            orphans = [c for c in self._children.values() if not c._exited.is_set()]
+        for child in orphans:  # a wait on them would never end otherwise
+            child._orphan()
 
     def spawn(self, args: list[str], env: dict[str, str], kwargs: dict[str, Any]) -> ForkedProcess:
         if not self._ready.wait(120) or self._dead:
