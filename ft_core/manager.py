@@ -379,7 +379,7 @@ class Manager:
             if wait:
                 self.wait_quorum()
             if self._pg_broken:
-                return ft_futures.complete(out, tensor)
+                return redo.skipped(self, out, tensor)
             n = self._round.num_participants if self._round is not None else 0
             role = rules.contribution(self.is_participating(), self._errored is not None)
             if role is rules.Contribution.BREAK:
@@ -396,8 +396,8 @@ class Manager:
             done = (lambda _v: tensor.mul_(scale)) if scale != 1.0 else (lambda _v: tensor)
             failed = self._on_collective_error if rec is None or role is not rules.Contribution.OWN else \
                 (lambda e, rec=rec: (redo.restore_input(rec, e), self._on_collective_error(e)))
-            return ft_futures.settled(work.get_future(), tensor, failed, self.config.timeout, done,
-                                      what=f"{self._prefix()} allreduce", out=out)
+            return redo.sending(self, ft_futures.settled(work.get_future(), tensor, failed, self.config.timeout, done,
+                                                         what=f"{self._prefix()} allreduce", out=out))
         except Exception as exc:
             self._on_collective_error(exc)
             return ft_futures.complete(out, tensor)
@@ -451,13 +451,13 @@ class Manager:
     def _prepare_vote(self) -> tuple[bool, ConfigError | None, bool]:
         """(this rank's vote, the fail-closed error if any, heal loaded) after loading a pending heal and
         making the buffers identical."""
-        pg_error = redo.pg_error(self._pg)
+        pg_error = redo.pg_error(self)
         if pg_error is not None:
             self._on_collective_error(pg_error)
         self._await_beside()
         self._apply_pending_state_dict()
         plan = self._round
-        if self._buffer_sources and not self._pg_broken:
+        if self._buffer_sources:  # a broken group skips it (the step fails: ft_core.redo.skipped)
             self._sync_buffers()
         heal_loaded = not (plan is not None and plan.heal) or (self._heal is not None and self._heal.loaded)
         local = rules.local_vote(plan.vote_world_size if plan is not None else 0, self.config.min_replica_size,

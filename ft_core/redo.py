@@ -17,6 +17,10 @@ Where (`resolve`):
   barrier whether it can redo (`step_rules.can_redo`); when every rank can, the group redoes inside
   should_commit() (`redo_step`), after the loop read the failed values (docs/guarantees.md).
 
+A peer lost after every collective the step sent had completed fails nothing: the values hold its
+contribution, as its own commit did, and stand (`on_peer_lost`); only a collective issued after the loss
+fails the step (`skipped`), and that is redone as above when it can be.
+
 What can be redone (the copy policy):
 - default (`FT_REDO_COPY=0`), at no cost on the healthy path: a reduction that was never handed to a
   collective (the group was already broken when it was issued) still holds its input; one that was
@@ -53,7 +57,7 @@ if TYPE_CHECKING:
     from ft_core.manager import Manager
 
 __all__ = ["Reduction", "ReductionLog", "RedoConfig", "WaitState", "issue", "on_peer_lost", "pg_error", "redo_step",
-           "resolve", "restore_input", "settle"]
+           "resolve", "restore_input", "sending", "settle", "skipped"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +129,8 @@ class ReductionLog:
         self.quorum_ids: tuple[str, ...] = ()  # the replica ids of this step's quorum
         self.quorum_id = 0  # the id of this step's quorum: the attempt a redo names (QuorumMember.redo_quorum_id)
         self.lost: set[str] = set()  # replica ids the lighthouse said were lost during this step
+        self.sent: list[torch.futures.Future] = []  # this step's collectives handed to the process group
+        self.kept = False  # a peer was lost after every collective of the step completed: the values stand
         self.state = WaitState.IDLE
         self.lock = threading.RLock()  # at the wait: records, state and deliveries
         self._pool: list[torch.Tensor] = []  # copy mode: the step's input copies, reused every step
@@ -136,6 +142,8 @@ class ReductionLog:
         self.allow_heal = allow_heal
         self.state = WaitState.IDLE
         self.lost = set()
+        self.sent = []
+        self.kept = False
         self.quorum_ids, self.quorum_id = (), 0  # until this step's quorum: no redo names an earlier attempt
 
     def record(self, tensor: torch.Tensor, op: ReduceOp, broken: bool,
@@ -411,10 +419,46 @@ def on_peer_lost(m: "Manager", quorum_id: int, replica_id: str) -> None:
         return
     if m._state.quorum_id != quorum_id or m._voted:  # voted: nothing of this step is left in flight
         return
-    m._redo.lost.add(replica_id)
-    m.report_error(FTError(f"{m._prefix()} replica group {replica_id} of quorum {quorum_id} was lost "
-                           f"(the lighthouse dropped it); this step's collectives are aborted"), peer_lost=True)
+    log = m._redo
+    log.lost.add(replica_id)
+    if _complete_without(m):
+        # Every value the step reduced holds the lost group's contribution, as in its own commit: they stand,
+        # and the step commits unless a collective still to come fails (the group is broken now, so one
+        # issued later fails at once, and one sent meanwhile is aborted; ft_core.redo may then redo it).
+        log.kept = True
+        logger.info("%s replica group %s of quorum %d was lost after this step's %d collective(s) completed: "
+                    "their values hold its contribution, so the step can still commit", m._prefix(), replica_id,
+                    quorum_id, len(log.sent))
+    else:
+        m.report_error(FTError(f"{m._prefix()} replica group {replica_id} of quorum {quorum_id} was lost "
+                               f"(the lighthouse dropped it); this step's collectives are aborted"), peer_lost=True)
     m._break_pg()
+
+
+def _complete_without(m: "Manager") -> bool:
+    """The step has no error, no redo under way, sent collectives (none sent yet: nothing holds the lost
+    group's contribution) all done and none failed, and its quorum's survivors can commit it without the
+    groups lost."""
+    log = m._redo
+    return m._errored is None and log.state in (WaitState.IDLE, WaitState.REPLAYED) and (log.kept or (
+        m._pg.errored() is None and bool(log.sent) and all(f.done() for f in log.sent))) and \
+        rules.survivors_can_commit(log.quorum_ids, log.lost, m.config.min_replica_size)
+
+
+def sending(m: "Manager", fut: torch.futures.Future) -> torch.futures.Future:
+    """Track a collective handed to the process group (Manager._reduce), for `on_peer_lost`."""
+    m._redo.sent.append(fut)
+    return fut
+
+
+def skipped(m: "Manager", out: torch.futures.Future | None, tensor: torch.Tensor) -> torch.futures.Future:
+    """A collective not sent because the group is broken: it fails the step (the break had already
+    recorded why, unless a peer was lost after the step's earlier collectives: `on_peer_lost`)."""
+    if m._errored is None:
+        m.report_error(FTError(f"{m._prefix()} a collective was issued after replica group(s) "
+                               f"{sorted(m._redo.lost)} were lost; this step fails unless it is redone"),
+                       peer_lost=bool(m._redo.lost))
+    return ft_futures.complete(out, tensor)
 
 
 def restore_input(rec: Reduction, error: BaseException) -> None:
@@ -428,9 +472,12 @@ def restore_input(rec: Reduction, error: BaseException) -> None:
             logger.warning("restoring a failed reduction's input failed, so this step cannot be redone: %s", exc)
 
 
-def pg_error(pg: Any) -> Exception | None:
-    """The error a process group recorded on its own (a failed collective nobody waited on), if any."""
-    errored = getattr(pg, "errored", None)
+def pg_error(m: "Manager") -> Exception | None:
+    """The error the process group recorded on its own (a failed collective nobody waited on), if any;
+    not its abort after a peer lost once the step's collectives completed (`on_peer_lost`)."""
+    if m._redo.kept:
+        return None
+    errored = getattr(m._pg, "errored", None)
     if errored is None:
         return None
     try:

@@ -3,10 +3,15 @@ ft_core DDP + OptimizerWrapper, AdamW, each group its own data. The test steers 
 
 - `<workdir>/g<N>.kill` holding `POINT:STEP`: SIGKILL self at POINT of step STEP (or later):
   `forward` (after the step's quorum is issued, before the forward pass), `allreduce` (instead of
-  issuing the step's first cross-group reduction, while the peers' are in flight) or `vote` (after the group's vote);
+  issuing the step's first cross-group reduction, while the peers' are in flight), `reduced` (after the
+  backward pass: every reduction of the step completed, before the vote) or `vote` (after the group's vote);
 - `<workdir>/hold` holding `STEP`: at the start of the forward pass of that step (or the first one after), wait (at most 20 s)
   until the Manager has recorded an error (the lost peer), so the kill lands inside this group's step
   before any of its reductions is issued;
+- `<workdir>/hold_vote` holding `STEP`: unless a kill is armed here, after the backward pass of that step (or
+  the first one after), wait (at most 20 s) until the lighthouse's notice of a lost peer reached the
+  Manager, and record whether it did (`lost_before_vote`), so the loss lands after the gradients'
+  reductions and before the rest of the step (--read-reduced's loss reduction, the vote);
 - `<workdir>/stop` holding `STEP`: stop there.
 
 The backward runs as `ddp.backward(loss)` (the loss divided for the average, ft_core.ddp.backward_scale),
@@ -105,12 +110,13 @@ def main() -> int:
         return (directions @ torch.cat([g.reshape(-1) for g in grads]).double()).tolist()
     kill_file, hold_file = os.path.join(args.workdir, f"g{args.group}.kill"), os.path.join(args.workdir, "hold")
 
-    def armed(point: str) -> bool:
+    def armed(point: str, at: int | None = None) -> bool:
+        """At `point` of step `at` (default: the step in progress)."""
         what, _, step = read(kill_file).partition(":")
-        return what == point and manager.current_step() >= int(step or 0)
+        return what == point and (manager.current_step() if at is None else at) >= int(step or 0)
 
-    def die(point: str) -> None:
-        print(f"SIGKILL self at step {manager.current_step()} during {point}", flush=True)
+    def die(point: str, at: int | None = None) -> None:
+        print(f"SIGKILL self at step {manager.current_step() if at is None else at} during {point}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def before_forward(*_: object) -> None:
@@ -125,6 +131,8 @@ def main() -> int:
                 time.sleep(0.005)
 
     held: list[int] = []
+    held_vote: list[int] = []
+    hold_vote_at = ""
     ddp.register_forward_pre_hook(before_forward)
     issue = manager.allreduce
 
@@ -171,6 +179,16 @@ def main() -> int:
         else:
             ddp.backward(loss)
         seen["reduced"] = projections([q.grad for q in model.parameters()])
+        if armed("reduced"):
+            die("reduced")
+        hold = hold_vote_at or read(os.path.join(args.workdir, "hold_vote"))  # kept: the test removes it
+        hold_vote_at = hold
+        if hold and manager.current_step() >= int(hold) and not held_vote and not read(kill_file):  # survivors
+            held_vote.append(manager.current_step())
+            deadline = time.monotonic() + 20
+            while not manager._redo.lost and time.monotonic() < deadline:
+                time.sleep(0.005)
+            seen["lost_before_vote"] = bool(manager._redo.lost)
         if args.read_reduced:
             if not args.loss_first:
                 seen["loss"], seen["reduced_loss"] = reduced_loss(manager, loss)
@@ -187,8 +205,8 @@ def main() -> int:
                               "digest": state_digest(model, inner), "participants": manager.num_participants(),
                               "participating": manager.is_participating(),
                               **seen}) + "\n")
-        if armed("vote"):
-            die("vote")
+        if armed("vote", step):  # the step voted on, not the next one
+            die("vote", step)
         time.sleep(0.01)
     with open(prefix + ".final.json", "w") as f:
         json.dump({"step": manager.current_step(), "digest": state_digest(model, inner)}, f)
