@@ -441,7 +441,7 @@ def _complete_without(m: "Manager") -> bool:
     groups lost."""
     log = m._redo
     return m._errored is None and log.state in (WaitState.IDLE, WaitState.REPLAYED) and (log.kept or (
-        m._pg.errored() is None and bool(log.sent) and all(f.done() for f in log.sent))) and \
+        _recorded(m._pg) is None and bool(log.sent) and all(f.done() for f in log.sent))) and \
         rules.survivors_can_commit(log.quorum_ids, log.lost, m.config.min_replica_size)
 
 
@@ -475,9 +475,11 @@ def restore_input(rec: Reduction, error: BaseException) -> None:
 def pg_error(m: "Manager") -> Exception | None:
     """The error the process group recorded on its own (a failed collective nobody waited on), if any;
     not its abort after a peer lost once the step's collectives completed (`on_peer_lost`)."""
-    if m._redo.kept:
-        return None
-    errored = getattr(m._pg, "errored", None)
+    return None if m._redo.kept else _recorded(m._pg)
+
+
+def _recorded(pg: Any) -> Exception | None:
+    errored = getattr(pg, "errored", None)
     if errored is None:
         return None
     try:

@@ -223,14 +223,16 @@ def test_a_loop_reading_reduced_values_before_the_vote_reads_the_survivors_avera
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("point", ["reduced", "vote"])
+@pytest.mark.parametrize("point, env", [("reduced", {}), ("vote", {}), ("reduced", {"FT_REDO_STEP": "0"})],
+                         ids=["reduced", "vote", "reduced-redo-off"])
 def test_a_group_lost_after_the_step_s_reductions_completed_costs_the_survivors_no_step(processes, tmp_path,
-                                                                                     point) -> None:
+                                                                                     point, env) -> None:
     """The dead group's contribution is in every reduced value of the step (it died after its backward pass,
     or after its own commit), and the survivors learn of the loss before their vote: nothing is left to redo,
     and the survivors commit the step with the values they hold (failed until 2026-12-06: the notice of the
-    loss failed the step, once in a CI run of tests/test_accelerate_epochs.py)."""
-    job, kill_step = run_kill(processes, tmp_path, point, hold=False, hold_vote=True, env={})
+    loss failed the step, once in a CI run of tests/test_accelerate_epochs.py). Nothing is redone, so the
+    same holds with redo off."""
+    job, kill_step = run_kill(processes, tmp_path, point, hold=False, hold_vote=True, env=env)
     for g in SURVIVORS:
         row = next(r for r in job.steps(g) if r["step"] == kill_step)
         assert row["lost_before_vote"], f"the loss did not reach group {g} before its vote: {row}\n{job.output(g)}"
