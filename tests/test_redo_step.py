@@ -223,8 +223,9 @@ def test_a_loop_reading_reduced_values_before_the_vote_reads_the_survivors_avera
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("point, env", [("reduced", {}), ("vote", {}), ("reduced", {"FT_REDO_STEP": "0"})],
-                         ids=["reduced", "vote", "reduced-redo-off"])
+@pytest.mark.parametrize("point, env", [("reduced", {}), ("vote", {}), ("reduced", {"FT_REDO_STEP": "0"}),
+                                        ("reduced", {"FT_ASYNC_QUORUM": "0"})],
+                         ids=["reduced", "vote", "reduced-redo-off", "reduced-sync-quorum"])
 def test_a_group_lost_after_the_step_s_reductions_completed_costs_the_survivors_no_step(processes, tmp_path,
                                                                                      point, env) -> None:
     """The dead group's contribution is in every reduced value of the step (it died after its backward pass,
