@@ -455,9 +455,10 @@ def skipped(m: "Manager", out: torch.futures.Future | None, tensor: torch.Tensor
     """A collective not sent because the group is broken: it fails the step (the break had already
     recorded why, unless a peer was lost after the step's earlier collectives: `on_peer_lost`)."""
     if m._errored is None:
-        m.report_error(FTError(f"{m._prefix()} a collective was issued after replica group(s) "
-                               f"{sorted(m._redo.lost)} were lost; this step fails unless it is redone"),
-                       peer_lost=bool(m._redo.lost))
+        lost = sorted(m._redo.lost)
+        why = f"replica group(s) {lost} were lost" if lost else "the cross-group process group was broken"
+        m.report_error(FTError(f"{m._prefix()} a collective was issued after {why}; this step fails unless it is "
+                               f"redone"), peer_lost=bool(lost))
     return ft_futures.complete(out, tensor)
 
 

@@ -131,8 +131,7 @@ def main() -> int:
                 time.sleep(0.005)
 
     held: list[int] = []
-    held_vote: list[int] = []
-    hold_vote_at = ""
+    hold_vote_at, held_vote = "", False  # the hold_vote file's step, read once (the test removes the file)
     ddp.register_forward_pre_hook(before_forward)
     issue = manager.allreduce
 
@@ -181,10 +180,9 @@ def main() -> int:
         seen["reduced"] = projections([q.grad for q in model.parameters()])
         if armed("reduced"):
             die("reduced")
-        hold = hold_vote_at or read(os.path.join(args.workdir, "hold_vote"))  # kept: the test removes it
-        hold_vote_at = hold
-        if hold and manager.current_step() >= int(hold) and not held_vote and not read(kill_file):  # survivors
-            held_vote.append(manager.current_step())
+        hold_vote_at = hold_vote_at or read(os.path.join(args.workdir, "hold_vote"))
+        if hold_vote_at and manager.current_step() >= int(hold_vote_at) and not held_vote and not read(kill_file):
+            held_vote = True  # once, and only in the survivors (no kill armed here)
             deadline = time.monotonic() + 20
             while not manager._redo.lost and time.monotonic() < deadline:
                 time.sleep(0.005)
