@@ -14,6 +14,10 @@ ft_core DDP + OptimizerWrapper, AdamW, each group its own data. The test steers 
   reductions and before the rest of the step (--read-reduced's loss reduction, the vote);
 - `<workdir>/stop` holding `STEP`: stop there.
 
+With --ranks N the group has N ranks (one process each, --rank R; rank 0 opens the group's store on a port
+from the OS and writes it to `g<N>.i<incarnation>.store`): every rank reads the same files, so a kill
+takes the whole group at the same point, and each rank writes its own files (`g<N>.r<R>.i<incarnation>...`).
+
 The backward runs as `ddp.backward(loss)` (the loss divided for the average, ft_core.ddp.backward_scale),
 or as a plain `loss.backward()` with --plain-backward. Every step also records four fixed random
 projections of this group's own gradient (`local`, from a copy of the model) and of the reduced one
@@ -42,6 +46,7 @@ import time
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from examples.train_ddp import JsonLines, state_digest
@@ -60,6 +65,26 @@ def read(path: str) -> str:
         return ""
 
 
+def join_group(store_file: str, rank: int, ranks: int) -> int:
+    """The group's own process group (DDP's, inside the group): rank 0 opens the store on a port from the
+    OS and publishes it in `store_file`; the others read it (at most 30 s). The store's port: the Manager's
+    too."""
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, ranks, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+        with open(store_file + ".tmp", "w") as f:
+            f.write(str(store.port))
+        os.replace(store_file + ".tmp", store_file)
+    else:
+        deadline = time.monotonic() + 30
+        while not read(store_file):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 0 of this group did not publish its store in {store_file} within 30 s")
+            time.sleep(0.01)
+        store = dist.TCPStore("127.0.0.1", int(read(store_file)), ranks, False, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=ranks, timeout=timedelta(seconds=30))
+    return store.port
+
+
 def reduced_loss(manager: Manager, loss: torch.Tensor) -> tuple[float, float]:
     """(this group's loss, the loss averaged across the groups), read at once, before the vote."""
     mine = loss.detach().reshape(1).clone()
@@ -72,6 +97,8 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--group", type=int, required=True)
     p.add_argument("--incarnation", type=int, default=1)
+    p.add_argument("--rank", type=int, default=0, help="this process's rank inside its group")
+    p.add_argument("--ranks", type=int, default=1, help="ranks per group")
     p.add_argument("--workdir", required=True)
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--exactly-once", action="store_true", help="draw batches from ft_core's exactly-once sampler")
@@ -81,7 +108,11 @@ def main() -> int:
     p.add_argument("--plain-backward", action="store_true", help="loss.backward() instead of ddp.backward(loss)")
     args = p.parse_args()
     torch.set_num_threads(1)
-    prefix = os.path.join(args.workdir, f"g{args.group}.i{args.incarnation}")
+    name = f"g{args.group}.i{args.incarnation}" if args.ranks == 1 else f"g{args.group}.r{args.rank}.i{args.incarnation}"
+    prefix = os.path.join(args.workdir, name)
+    store_port = None
+    if args.ranks > 1:
+        store_port = join_group(os.path.join(args.workdir, f"g{args.group}.i{args.incarnation}.store"), args.rank, args.ranks)
     events = logging.getLogger("ft_core.events")
     events.setLevel(logging.INFO)
     events.addHandler(JsonLines(prefix + ".events.jsonl"))
@@ -98,7 +129,8 @@ def main() -> int:
 
     manager = Manager(pg, load_state_dict=load, state_dict=lambda: {"model": model.state_dict(),
                                                                     "optim": inner.state_dict()},
-                      replica_id=f"g{args.group}", timeout=timedelta(seconds=args.timeout),
+                      replica_id=f"g{args.group}", rank=args.rank, world_size=args.ranks,
+                      store_addr="127.0.0.1" if store_port else None, store_port=store_port, timeout=timedelta(seconds=args.timeout),
                       quorum_timeout=timedelta(seconds=30), connect_timeout=timedelta(seconds=30))
     ddp = DistributedDataParallel(manager, model)
     optimizer = OptimizerWrapper(manager, inner)
@@ -142,7 +174,7 @@ def main() -> int:
         return issue(tensor, *a, **kw)
 
     manager.allreduce = check_then_allreduce  # type: ignore[method-assign]
-    gen = torch.Generator().manual_seed(1000 + args.group)
+    gen = torch.Generator().manual_seed(1000 + args.group + 100 * args.rank)
     sampler = None
     if args.exactly_once:
         data = torch.utils.data.TensorDataset(torch.randn(100000, 16, generator=torch.Generator().manual_seed(7)),
@@ -210,6 +242,8 @@ def main() -> int:
         json.dump({"step": manager.current_step(), "digest": state_digest(model, inner)}, f)
     manager.shutdown()
     pg.shutdown()
+    if args.ranks > 1:
+        dist.destroy_process_group()
     return 0
 
 

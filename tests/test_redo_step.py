@@ -49,19 +49,26 @@ def write(path: str, text: str) -> None:
 
 
 class Job:
-    """Three groups of the worker; group 2 is killed once and restarted."""
+    """Three groups of the worker (`ranks` processes each); group 2 is killed once and restarted."""
 
-    def __init__(self, processes: Any, workdir: str, lighthouse: str, env: dict[str, str], extra: list[str]) -> None:
+    def __init__(self, processes: Any, workdir: str, lighthouse: str, env: dict[str, str], extra: list[str],
+                 ranks: int = 1) -> None:
         self.processes, self.workdir, self.lighthouse, self.env, self.extra = processes, workdir, lighthouse, env, extra
-        self.procs: dict[int, Any] = {}
+        self.ranks = ranks
+        self.procs: dict[tuple[int, int], Any] = {}
         self.incarnation = {g: 0 for g in range(3)}
+
+    def name(self, g: int, inc: int, rank: int = 0) -> str:
+        return f"g{g}.i{inc}" if self.ranks == 1 else f"g{g}.r{rank}.i{inc}"
 
     def start(self, g: int) -> None:
         self.incarnation[g] += 1
-        out = open(os.path.join(self.workdir, f"g{g}.i{self.incarnation[g]}.out"), "w")  # noqa: SIM115 (the child keeps it)
-        self.procs[g] = self.processes.spawn(
-            [sys.executable, WORKER, "--group", str(g), "--incarnation", str(self.incarnation[g]),
-             "--workdir", self.workdir, *self.extra], env=self.child_env(), stdout=out, stderr=out)
+        for rank in range(self.ranks):
+            out = open(os.path.join(self.workdir, self.name(g, self.incarnation[g], rank) + ".out"), "w")  # noqa: SIM115 (the child keeps it)
+            self.procs[g, rank] = self.processes.spawn(
+                [sys.executable, WORKER, "--group", str(g), "--incarnation", str(self.incarnation[g]),
+                 "--rank", str(rank), "--ranks", str(self.ranks), "--workdir", self.workdir, *self.extra],
+                env=self.child_env(), stdout=out, stderr=out)
 
     def child_env(self) -> dict[str, str]:
         """The default redo settings (FT_REDO_STEP and FT_REDO_COPY unset) unless the test sets them."""
@@ -71,18 +78,18 @@ class Job:
                 env.pop(name, None)
         return env
 
-    def steps(self, g: int, incarnation: int | None = None) -> list[dict[str, Any]]:
+    def steps(self, g: int, incarnation: int | None = None, rank: int = 0) -> list[dict[str, Any]]:
         inc = incarnation or self.incarnation[g]
-        return read_jsonl(os.path.join(self.workdir, f"g{g}.i{inc}.steps.jsonl"))
+        return read_jsonl(os.path.join(self.workdir, self.name(g, inc, rank) + ".steps.jsonl"))
 
-    def events(self, g: int) -> list[dict[str, Any]]:
-        return read_jsonl(os.path.join(self.workdir, f"g{g}.i{self.incarnation[g]}.events.jsonl"))
+    def events(self, g: int, rank: int = 0) -> list[dict[str, Any]]:
+        return read_jsonl(os.path.join(self.workdir, self.name(g, self.incarnation[g], rank) + ".events.jsonl"))
 
-    def committed(self, g: int, incarnation: int | None = None) -> list[dict[str, Any]]:
-        return [r for r in self.steps(g, incarnation) if r["committed"]]
+    def committed(self, g: int, incarnation: int | None = None, rank: int = 0) -> list[dict[str, Any]]:
+        return [r for r in self.steps(g, incarnation, rank) if r["committed"]]
 
-    def output(self, g: int) -> str:
-        with open(os.path.join(self.workdir, f"g{g}.i{self.incarnation[g]}.out")) as f:
+    def output(self, g: int, rank: int = 0) -> str:
+        with open(os.path.join(self.workdir, self.name(g, self.incarnation[g], rank) + ".out")) as f:
             return f.read()[-3000:]
 
     def wait(self, predicate: Any, timeout: float, what: str) -> None:
@@ -90,20 +97,20 @@ class Job:
         while time.monotonic() < deadline:
             if predicate():
                 return
-            for g, proc in self.procs.items():
+            for (g, rank), proc in self.procs.items():
                 if proc.poll() not in (None, 0, -signal.SIGKILL):
-                    raise AssertionError(f"group {g} exited with {proc.returncode}:\n{self.output(g)}")
+                    raise AssertionError(f"group {g} rank {rank} exited with {proc.returncode}:\n{self.output(g, rank)}")
             time.sleep(0.05)
-        tails = "\n".join(f"--- group {g} ---\n{self.output(g)}" for g in self.procs)
+        tails = "\n".join(f"--- group {g} rank {rank} ---\n{self.output(g, rank)}" for g, rank in self.procs)
         raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{tails}")
 
 
 def run_kill(processes: Any, tmp_path: Any, point: str, *, hold: bool, env: dict[str, str],
-             extra: list[str] | None = None, hold_vote: bool = False) -> tuple[Job, int]:
-    """Kill group 2 at `point` of step S, restart it, let it heal, stop everyone; (job, S)."""
+             extra: list[str] | None = None, hold_vote: bool = False, ranks: int = 1) -> tuple[Job, int]:
+    """Kill group 2 (every rank) at `point` of step S, restart it, let it heal, stop everyone; (job, S)."""
     workdir = str(tmp_path)
     with LighthouseServer(min_replicas=1, join_timeout_ms=5000) as lighthouse:
-        job = Job(processes, workdir, lighthouse.address(), env, extra or [])
+        job = Job(processes, workdir, lighthouse.address(), env, extra or [], ranks)
         for g in range(3):
             job.start(g)
         job.wait(lambda: all(len(job.committed(g)) >= 3 for g in range(3)), 90, "every group committing")
@@ -114,7 +121,8 @@ def run_kill(processes: Any, tmp_path: Any, point: str, *, hold: bool, env: dict
         if hold_vote:
             write(os.path.join(workdir, "hold_vote"), str(kill_step))
         write(os.path.join(workdir, f"g{VICTIM}.kill"), f"{point}:{kill_step}")
-        assert job.procs[VICTIM].wait(timeout=60) == -signal.SIGKILL, job.output(VICTIM)
+        for rank in range(ranks):
+            assert job.procs[VICTIM, rank].wait(timeout=60) == -signal.SIGKILL, job.output(VICTIM, rank)
         kill_step = int(re.search(r"SIGKILL self at step (\d+)", job.output(VICTIM)).group(1))
         for name in (f"g{VICTIM}.kill", "hold", "hold_vote"):  # not for the restarted incarnation
             if os.path.exists(os.path.join(workdir, name)):
@@ -124,23 +132,26 @@ def run_kill(processes: Any, tmp_path: Any, point: str, *, hold: bool, env: dict
         job.start(VICTIM)
         job.wait(lambda: len(job.committed(VICTIM)) >= 2, 90, "the restarted group healing and committing")
         write(os.path.join(workdir, "stop"), str(max(r["step"] for g in range(3) for r in job.steps(g)) + 3))
-        for g, proc in job.procs.items():
-            assert proc.wait(timeout=60) == 0, f"group {g}:\n{job.output(g)}"
+        for (g, rank), proc in job.procs.items():
+            assert proc.wait(timeout=60) == 0, f"group {g} rank {rank}:\n{job.output(g, rank)}"
     return job, kill_step
 
 
 def assert_identical(job: Job) -> None:
-    """Every group that committed step s holds the same state after it; all end identical."""
+    """Every rank of every group that committed step s holds the same state after it; all end identical."""
     by_step: dict[int, tuple[str, str]] = {}
     for g in range(3):
         for inc in range(1, job.incarnation[g] + 1):
-            for r in job.committed(g, inc):
-                seen = by_step.setdefault(r["after"], (r["digest"], f"group {g}.{inc}"))
-                assert seen[0] == r["digest"], f"after step {r['after']}: {seen[1]} and group {g}.{inc} differ"
+            for rank in range(job.ranks):
+                who = f"group {g}.{inc} rank {rank}"
+                for r in job.committed(g, inc, rank):
+                    seen = by_step.setdefault(r["after"], (r["digest"], who))
+                    assert seen[0] == r["digest"], f"after step {r['after']}: {seen[1]} and {who} differ"
     finals = []
     for g in range(3):
-        with open(os.path.join(job.workdir, f"g{g}.i{job.incarnation[g]}.final.json")) as f:
-            finals.append(json.load(f))
+        for rank in range(job.ranks):
+            with open(os.path.join(job.workdir, job.name(g, job.incarnation[g], rank) + ".final.json")) as f:
+                finals.append(json.load(f))
     assert len({(f["step"], f["digest"]) for f in finals}) == 1, finals
 
 
@@ -244,6 +255,47 @@ def test_a_group_lost_after_the_step_s_reductions_completed_costs_the_survivors_
         assert steps[:2] == [kill_step - 1, kill_step] and steps == list(range(steps[0], steps[0] + len(steps)))
     rows = [next(r for r in job.steps(g) if r["step"] == kill_step) for g in SURVIVORS]
     assert rows[0]["reduced"] == pytest.approx(rows[1]["reduced"], rel=1e-6) and rows[0]["digest"] == rows[1]["digest"]
+    assert_identical(job)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("point", ["reduced", "vote"])
+def test_groups_of_two_ranks_keep_a_step_whose_reductions_completed_before_a_group_was_lost(processes, tmp_path,
+                                                                                           point) -> None:
+    """The same rule with two ranks per group: each survivor rank decides for itself that its reductions hold
+    the dead group's contribution, and the group's commit barrier ANDs its ranks' votes. Both ranks of both
+    survivor groups commit the step with 3 participants, redo nothing, and every rank stays identical."""
+    job, kill_step = run_kill(processes, tmp_path, point, hold=False, hold_vote=True, env={}, ranks=2)
+    for g in SURVIVORS:
+        for rank in range(2):
+            row = next(r for r in job.steps(g, rank=rank) if r["step"] == kill_step)
+            assert row["lost_before_vote"], f"the loss did not reach group {g} rank {rank} before its vote: {row}"
+            assert row["committed"] and row["participants"] == 3, (row, job.output(g, rank))
+            assert not [r for r in job.steps(g, rank=rank) if not r["committed"]], job.output(g, rank)
+            assert not [e for e in job.events(g, rank) if e["type"] == "redo"], job.output(g, rank)
+            steps = [r["step"] for r in job.committed(g, rank=rank) if r["step"] >= kill_step - 1]
+            assert steps[:2] == [kill_step - 1, kill_step] and steps == list(range(steps[0], steps[0] + len(steps)))
+    assert_identical(job)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("env", [{}, {"FT_REDO_STEP": "1", "FT_REDO_COPY": "1"}], ids=["default", "redo-at-vote"])
+def test_groups_of_two_ranks_fail_or_redo_a_step_that_reduced_after_a_group_was_lost(processes, tmp_path, env) -> None:
+    """Two ranks per group; the loss reaches the survivors after the gradients' reductions and before the
+    loop averages its loss: no rank may keep the step's values. By default (no redo for groups of several
+    ranks) every survivor rank fails the step; with the redo asked for (at the vote, copies kept) every rank
+    redoes it without the dead group and commits it with 2 participants. Either way no rank diverges."""
+    job, kill_step = run_kill(processes, tmp_path, "reduced", hold=False, hold_vote=True, env=env,
+                              extra=["--read-reduced"], ranks=2)
+    for g in SURVIVORS:
+        for rank in range(2):
+            row = next(r for r in job.steps(g, rank=rank) if r["step"] == kill_step)
+            assert row["lost_before_vote"], row
+            redos = [(e["step"], e["replayed"]) for e in job.events(g, rank) if e["type"] == "redo"]
+            assert redos == ([(kill_step, True)] if env else []), (redos, job.output(g, rank))
+            assert row["committed"] == bool(env), (row, job.output(g, rank))
+            if env:
+                assert row["participants"] == 2, row
     assert_identical(job)
 
 
