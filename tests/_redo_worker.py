@@ -108,11 +108,10 @@ def main() -> int:
     p.add_argument("--plain-backward", action="store_true", help="loss.backward() instead of ddp.backward(loss)")
     args = p.parse_args()
     torch.set_num_threads(1)
-    name = f"g{args.group}.i{args.incarnation}" if args.ranks == 1 else f"g{args.group}.r{args.rank}.i{args.incarnation}"
-    prefix = os.path.join(args.workdir, name)
-    store_port = None
-    if args.ranks > 1:
-        store_port = join_group(os.path.join(args.workdir, f"g{args.group}.i{args.incarnation}.store"), args.rank, args.ranks)
+    group_files = os.path.join(args.workdir, f"g{args.group}.i{args.incarnation}")
+    prefix = group_files if args.ranks == 1 else os.path.join(args.workdir,
+                                                              f"g{args.group}.r{args.rank}.i{args.incarnation}")
+    store_port = join_group(group_files + ".store", args.rank, args.ranks) if args.ranks > 1 else None
     events = logging.getLogger("ft_core.events")
     events.setLevel(logging.INFO)
     events.addHandler(JsonLines(prefix + ".events.jsonl"))
@@ -130,7 +129,8 @@ def main() -> int:
     manager = Manager(pg, load_state_dict=load, state_dict=lambda: {"model": model.state_dict(),
                                                                     "optim": inner.state_dict()},
                       replica_id=f"g{args.group}", rank=args.rank, world_size=args.ranks,
-                      store_addr="127.0.0.1" if store_port else None, store_port=store_port, timeout=timedelta(seconds=args.timeout),
+                      store_addr="127.0.0.1" if store_port else None, store_port=store_port,
+                      timeout=timedelta(seconds=args.timeout),
                       quorum_timeout=timedelta(seconds=30), connect_timeout=timedelta(seconds=30))
     ddp = DistributedDataParallel(manager, model)
     optimizer = OptimizerWrapper(manager, inner)

@@ -64,7 +64,8 @@ class Job:
     def start(self, g: int) -> None:
         self.incarnation[g] += 1
         for rank in range(self.ranks):
-            out = open(os.path.join(self.workdir, self.name(g, self.incarnation[g], rank) + ".out"), "w")  # noqa: SIM115 (the child keeps it)
+            path = os.path.join(self.workdir, self.name(g, self.incarnation[g], rank) + ".out")
+            out = open(path, "w")  # noqa: SIM115 (the child keeps it)
             self.procs[g, rank] = self.processes.spawn(
                 [sys.executable, WORKER, "--group", str(g), "--incarnation", str(self.incarnation[g]),
                  "--rank", str(rank), "--ranks", str(self.ranks), "--workdir", self.workdir, *self.extra],
@@ -99,7 +100,8 @@ class Job:
                 return
             for (g, rank), proc in self.procs.items():
                 if proc.poll() not in (None, 0, -signal.SIGKILL):
-                    raise AssertionError(f"group {g} rank {rank} exited with {proc.returncode}:\n{self.output(g, rank)}")
+                    raise AssertionError(f"group {g} rank {rank} exited with {proc.returncode}:\n"
+                                         f"{self.output(g, rank)}")
             time.sleep(0.05)
         tails = "\n".join(f"--- group {g} rank {rank} ---\n{self.output(g, rank)}" for g, rank in self.procs)
         raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{tails}")
