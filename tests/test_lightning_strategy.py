@@ -371,6 +371,30 @@ def test_two_groups_two_devices_identical_weights(processes, lighthouse, tmp_pat
         assert run["samplers"] == {"train": [4, group * 2 + rank], "val": [2, rank]}
 
 
+@pytest.mark.timeout(200)
+def test_two_groups_two_devices_a_killed_group_restarts_heals_and_ends_identical(processes, lighthouse, tmp_path):
+    """2 groups x 2 devices; both ranks of group 1 are SIGKILLed after step 3 (mid-epoch) and the group is
+    started again without a checkpoint: each of its ranks heals from the surviving group's rank of the same
+    number, and every rank of both groups ends with the same weights at the same step."""
+    args = ("--devices", "2", "--epochs", "2", "--samples", "64", "--sleep", "0.05")
+    survivor = start_group(processes, lighthouse, tmp_path, 0, *args)
+    victim = start_group(processes, lighthouse, tmp_path, 1, *args, "--kill-at-step", "3")
+    assert victim.wait(timeout=150) == -9, logs(tmp_path)
+    restarted = start_group(processes, lighthouse, tmp_path, 1, *args)
+    wait_all([survivor, restarted], tmp_path, timeout=170)
+
+    runs = summaries(tmp_path)
+    assert set(runs) == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert_identical_weights(tmp_path, 4)
+    steps = 2 * (64 // 2 // 2 // 4)  # epochs * batches per rank per epoch = 8
+    for (group, rank), run in runs.items():
+        assert run["world_size"] == 2 and run["global_step"] == run["manager_step"] == steps, run
+        assert run["samplers"]["train"] == [4, group * 2 + rank], run
+    for rank in (0, 1):
+        assert runs[(1, rank)]["events"].get("heal", 0) == 1, runs[(1, rank)]
+        assert runs[(0, rank)]["events"].get("heal", 0) == 0, runs[(0, rank)]
+
+
 @pytest.mark.cuda
 @pytest.mark.timeout(200)
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
