@@ -65,7 +65,7 @@ def _restart_once(workdir: str, repeats: int, warm: bool = False) -> dict[str, A
 
     from ft_core.control.lighthouse import LighthouseServer
 
-    procs = Processes()
+    procs = Processes(fresh=True)  # real process starts, never the tests' zygote
     samples: list[dict[str, float]] = []
     try:
         with LighthouseServer(min_replicas=1, join_timeout_ms=2000) as lighthouse:
@@ -175,7 +175,7 @@ def _torchft_restart(workdir: str, repeats: int) -> dict[str, Any]:
     from ft_harness import read_jsonl, wait_until
     from torchft._torchft import LighthouseServer as TorchftLighthouse
 
-    procs = Processes()
+    procs = Processes(fresh=True)  # real process starts, never the tests' zygote
     lighthouse = TorchftLighthouse(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=2000)
     stop_file = os.path.join(workdir, "torchft.stop")
 
@@ -296,7 +296,7 @@ def _start_alone(workdir: str, repeats: int, torchft: bool) -> dict[str, dict[st
         finally:
             lighthouse.shutdown()
 
-    procs = Processes()
+    procs = Processes(fresh=True)  # real process starts, never the tests' zygote
     samples: dict[str, list[dict[str, float]]] = {"ours": [], "torchft": []}
     try:
         for n in range(repeats):
@@ -371,7 +371,7 @@ def _lost_steps(workdir: str, kills: int, env: dict[str, str]) -> dict[str, Any]
 
     from ft_core.control.lighthouse import LighthouseServer
 
-    procs = Processes()
+    procs = Processes(fresh=True)  # real process starts, never the tests' zygote
     per_kill: list[dict[str, Any]] = []
     rejoin_lost = 0
     try:

@@ -95,15 +95,18 @@ def communicate_or_interrupt(proc: subprocess.Popen, timeout: float) -> str:
 class Processes:
     """Spawns children and guarantees they are gone at teardown (by handle, never by pid)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fresh: bool = False) -> None:
+        """fresh: every child is a new interpreter (the benchmarks time real process starts)."""
         self.handles: list[subprocess.Popen] = []
+        self.fresh = fresh
 
     def spawn(self, args: list[str], *, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
         """`python script.py ...` and `python -m module ...` with output to files are forked from an
-        interpreter that imported torch once (tests/zygote.py); anything else is a fresh process."""
+        interpreter that imported torch once (tests/zygote.py), unless `fresh`; anything else is a fresh
+        process."""
         kwargs.setdefault("start_new_session", True)
         env = env or child_env()
-        if zygote.eligible(args, env, kwargs):
+        if not self.fresh and zygote.eligible(args, env, kwargs):
             proc: Any = zygote.Zygote.get(child_env()).spawn(list(args), env, kwargs)
             self.handles.append(proc)
             return proc

@@ -93,6 +93,37 @@ def test_a_forked_test_process_behaves_as_a_fresh_one(processes, script, tmp_pat
     assert json.loads(_lines(out)[0])["sigint_ignored"]
 
 
+@pytest.mark.timeout(120)
+def test_fresh_processes_never_fork_from_the_zygote_and_the_benchmarks_use_them(script, tmp_path):
+    """benchmarks/heal.py times process starts (a cold restart, a group started alone) through these helpers:
+    forked from the zygote, a "cold" restart was ready in 0.27 s instead of ~3 s (the full run of
+    2026-12-06 18:48). Processes(fresh=True) starts a new interpreter for every spawn, and every Processes
+    the benchmarks make is fresh."""
+    from conftest import Processes
+
+    fresh, forked = Processes(fresh=True), Processes()
+    try:
+        outs = []
+        for procs in (fresh, forked):
+            proc, out = _spawn(procs, script, tmp_path, "sleep")
+            deadline = time.monotonic() + 60
+            while not _lines(out) and time.monotonic() < deadline:
+                assert proc.poll() is None, _lines(out)
+                time.sleep(0.05)
+            outs.append(json.loads(_lines(out)[0]))
+        assert isinstance(fresh.handles[0], subprocess.Popen) and not outs[0]["torch"], outs[0]
+        assert outs[1]["torch"], outs[1]  # the zygote's child starts with torch imported
+    finally:
+        fresh.end_all()
+        forked.end_all()
+    benchmarks = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    for name in sorted(os.listdir(benchmarks)):
+        if name.endswith(".py"):
+            with open(os.path.join(benchmarks, name)) as f:
+                source = f.read()
+            assert source.count("Processes(") == source.count("Processes(fresh=True)"), name
+
+
 def test_only_plain_script_and_module_runs_with_output_to_files_are_forked():
     env = child_env()
     assert zygote.eligible([sys.executable, __file__], env, {"stdout": subprocess.DEVNULL})
