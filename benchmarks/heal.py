@@ -24,6 +24,9 @@
     sent or rebuilt from the gradients) and redo with copies (FT_REDO_COPY=1).
     Also the healthy-path price of the copies: one copy of the gradients per step.
     Target (reported, not asserted): 0 survivors' steps lost in >= 10 kills.
+
+Every process is started fresh (the tests' `Processes(fresh=True)`), never forked from the tests' zygote,
+which has imported torch already: the restarts and starts timed here are real ones.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ def _restart_once(workdir: str, repeats: int, warm: bool = False) -> dict[str, A
 
     from ft_core.control.lighthouse import LighthouseServer
 
-    procs = Processes(fresh=True)  # real process starts, never the tests' zygote
+    procs = Processes(fresh=True)
     samples: list[dict[str, float]] = []
     try:
         with LighthouseServer(min_replicas=1, join_timeout_ms=2000) as lighthouse:
@@ -175,7 +178,7 @@ def _torchft_restart(workdir: str, repeats: int) -> dict[str, Any]:
     from ft_harness import read_jsonl, wait_until
     from torchft._torchft import LighthouseServer as TorchftLighthouse
 
-    procs = Processes(fresh=True)  # real process starts, never the tests' zygote
+    procs = Processes(fresh=True)
     lighthouse = TorchftLighthouse(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=2000)
     stop_file = os.path.join(workdir, "torchft.stop")
 
@@ -296,7 +299,7 @@ def _start_alone(workdir: str, repeats: int, torchft: bool) -> dict[str, dict[st
         finally:
             lighthouse.shutdown()
 
-    procs = Processes(fresh=True)  # real process starts, never the tests' zygote
+    procs = Processes(fresh=True)
     samples: dict[str, list[dict[str, float]]] = {"ours": [], "torchft": []}
     try:
         for n in range(repeats):
@@ -371,7 +374,7 @@ def _lost_steps(workdir: str, kills: int, env: dict[str, str]) -> dict[str, Any]
 
     from ft_core.control.lighthouse import LighthouseServer
 
-    procs = Processes(fresh=True)  # real process starts, never the tests' zygote
+    procs = Processes(fresh=True)
     per_kill: list[dict[str, Any]] = []
     rejoin_lost = 0
     try:

@@ -374,8 +374,8 @@ def test_two_groups_two_devices_identical_weights(processes, lighthouse, tmp_pat
 @pytest.mark.timeout(200)
 def test_two_groups_two_devices_a_killed_group_restarts_heals_and_ends_identical(processes, lighthouse, tmp_path):
     """2 groups x 2 devices; both ranks of group 1 are SIGKILLed after step 3 (mid-epoch) and the group is
-    started again without a checkpoint: each of its ranks heals from the surviving group's rank of the same
-    number, and every rank of both groups ends with the same weights at the same step."""
+    started again without a checkpoint: each of its ranks heals once (from a live peer), the survivors never,
+    and every rank of both groups ends with the same weights at the same step."""
     args = ("--devices", "2", "--epochs", "2", "--samples", "64", "--sleep", "0.05")
     survivor = start_group(processes, lighthouse, tmp_path, 0, *args)
     victim = start_group(processes, lighthouse, tmp_path, 1, *args, "--kill-at-step", "3")
