@@ -14,8 +14,8 @@ ft_core DDP + OptimizerWrapper, AdamW, each group its own data. The test steers 
   reductions and before the rest of the step (--read-reduced's loss reduction, the vote);
 - `<workdir>/stop` holding `STEP`: stop there.
 
-With --ranks N the group has N ranks (one process each, --rank R; rank 0 opens the group's store on a port
-from the OS and writes it to `g<N>.i<incarnation>.store`): every rank reads the same files, so a kill
+With --ranks N the group has N ranks (one process each, --rank R, all meeting in the TCPStore the test
+serves for this incarnation of the group, --store HOST:PORT): every rank reads the same files, so a kill
 takes the whole group at the same point, and each rank writes its own files (`g<N>.r<R>.i<incarnation>...`).
 
 The backward runs as `ddp.backward(loss)` (the loss divided for the average, ft_core.ddp.backward_scale),
@@ -65,24 +65,11 @@ def read(path: str) -> str:
         return ""
 
 
-def join_group(store_file: str, rank: int, ranks: int) -> int:
-    """The group's own process group (DDP's, inside the group): rank 0 opens the store on a port from the
-    OS and publishes it in `store_file`; the others read it (at most 30 s). The store's port: the Manager's
-    too."""
-    if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, ranks, True, timeout=timedelta(seconds=30), wait_for_workers=False)
-        with open(store_file + ".tmp", "w") as f:
-            f.write(str(store.port))
-        os.replace(store_file + ".tmp", store_file)
-    else:
-        deadline = time.monotonic() + 30
-        while not read(store_file):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank 0 of this group did not publish its store in {store_file} within 30 s")
-            time.sleep(0.01)
-        store = dist.TCPStore("127.0.0.1", int(read(store_file)), ranks, False, timeout=timedelta(seconds=30))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=ranks, timeout=timedelta(seconds=30))
-    return store.port
+def join_group(store: str, rank: int, ranks: int) -> None:
+    """The group's own process group (DDP's, inside the group), in the store the test serves for it."""
+    host, port = store.rsplit(":", 1)
+    client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=client, rank=rank, world_size=ranks, timeout=timedelta(seconds=30))
 
 
 def reduced_loss(manager: Manager, loss: torch.Tensor) -> tuple[float, float]:
@@ -99,6 +86,7 @@ def main() -> int:
     p.add_argument("--incarnation", type=int, default=1)
     p.add_argument("--rank", type=int, default=0, help="this process's rank inside its group")
     p.add_argument("--ranks", type=int, default=1, help="ranks per group")
+    p.add_argument("--store", default="", help="with --ranks > 1: HOST:PORT of the group's TCPStore")
     p.add_argument("--workdir", required=True)
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--exactly-once", action="store_true", help="draw batches from ft_core's exactly-once sampler")
@@ -108,10 +96,12 @@ def main() -> int:
     p.add_argument("--plain-backward", action="store_true", help="loss.backward() instead of ddp.backward(loss)")
     args = p.parse_args()
     torch.set_num_threads(1)
-    group_files = os.path.join(args.workdir, f"g{args.group}.i{args.incarnation}")
-    prefix = group_files if args.ranks == 1 else os.path.join(args.workdir,
-                                                              f"g{args.group}.r{args.rank}.i{args.incarnation}")
-    store_port = join_group(group_files + ".store", args.rank, args.ranks) if args.ranks > 1 else None
+    rank_part = "" if args.ranks == 1 else f".r{args.rank}"
+    name = f"g{args.group}{rank_part}.i{args.incarnation}"
+    prefix = os.path.join(args.workdir, name)
+    store_host, _, store_port = args.store.rpartition(":")
+    if args.ranks > 1:
+        join_group(args.store, args.rank, args.ranks)
     events = logging.getLogger("ft_core.events")
     events.setLevel(logging.INFO)
     events.addHandler(JsonLines(prefix + ".events.jsonl"))
@@ -129,7 +119,7 @@ def main() -> int:
     manager = Manager(pg, load_state_dict=load, state_dict=lambda: {"model": model.state_dict(),
                                                                     "optim": inner.state_dict()},
                       replica_id=f"g{args.group}", rank=args.rank, world_size=args.ranks,
-                      store_addr="127.0.0.1" if store_port else None, store_port=store_port,
+                      store_addr=store_host or None, store_port=int(store_port) if store_port else None,
                       timeout=timedelta(seconds=args.timeout),
                       quorum_timeout=timedelta(seconds=30), connect_timeout=timedelta(seconds=30))
     ddp = DistributedDataParallel(manager, model)

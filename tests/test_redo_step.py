@@ -37,6 +37,7 @@ from ft_core.control.lighthouse import LighthouseServer
 from ft_core.control.manager_client import ManagerClient
 from ft_core.control.manager_server import ManagerServer
 from ft_core.redo import RedoConfig, ReductionLog, resolve
+from ft_core.stores import own_store
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_redo_worker.py")
 SURVIVORS, VICTIM = (0, 1), 2
@@ -56,19 +57,25 @@ class Job:
         self.processes, self.workdir, self.lighthouse, self.env, self.extra = processes, workdir, lighthouse, env, extra
         self.ranks = ranks
         self.procs: dict[tuple[int, int], Any] = {}
+        self.stores: dict[int, Any] = {}  # group -> the TCPStore its ranks meet in (the latest incarnation's)
         self.incarnation = {g: 0 for g in range(3)}
 
     def name(self, g: int, inc: int, rank: int = 0) -> str:
         return f"g{g}.i{inc}" if self.ranks == 1 else f"g{g}.r{rank}.i{inc}"
 
     def start(self, g: int) -> None:
+        """Start every rank of group `g` again; several ranks meet in a store of their own, served here."""
         self.incarnation[g] += 1
+        store: list[str] = []
+        if self.ranks > 1:
+            self.stores[g] = own_store("127.0.0.1", timedelta(seconds=30))
+            store = ["--store", f"127.0.0.1:{self.stores[g].port}"]
         for rank in range(self.ranks):
             path = os.path.join(self.workdir, self.name(g, self.incarnation[g], rank) + ".out")
             out = open(path, "w")  # noqa: SIM115 (the child keeps it)
             self.procs[g, rank] = self.processes.spawn(
                 [sys.executable, WORKER, "--group", str(g), "--incarnation", str(self.incarnation[g]),
-                 "--rank", str(rank), "--ranks", str(self.ranks), "--workdir", self.workdir, *self.extra],
+                 "--rank", str(rank), "--ranks", str(self.ranks), *store, "--workdir", self.workdir, *self.extra],
                 env=self.child_env(), stdout=out, stderr=out)
 
     def child_env(self) -> dict[str, str]:
