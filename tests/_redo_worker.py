@@ -4,7 +4,9 @@ ft_core DDP + OptimizerWrapper, AdamW, each group its own data. The test steers 
 - `<workdir>/g<N>.kill` holding `POINT:STEP`: SIGKILL self at POINT of step STEP (or later):
   `forward` (after the step's quorum is issued, before the forward pass), `allreduce` (instead of
   issuing the step's first cross-group reduction, while the peers' are in flight), `reduced` (after the
-  backward pass: every reduction of the step completed, before the vote) or `vote` (after the group's vote);
+  backward pass: every reduction of the step completed, before the vote) or `vote` (after the group's vote).
+  `stall` kills nothing: at the `allreduce` point it writes `g<N>.stalled` (the step) and waits (at most
+  90 s) while the file still says `stall`, then issues the reduction (the test cuts the host meanwhile);
 - `<workdir>/hold` holding `STEP`: at the start of the forward pass of that step (or the first one after), wait (at most 20 s)
   until the Manager has recorded an error (the lost peer), so the kill lands inside this group's step
   before any of its reductions is issued;
@@ -63,6 +65,12 @@ def read(path: str) -> str:
             return f.read().strip()
     except FileNotFoundError:
         return ""
+
+
+def write_text(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
 
 
 def join_group(store: str, rank: int, ranks: int) -> None:
@@ -161,6 +169,11 @@ def main() -> int:
         if armed("allreduce"):
             time.sleep(0.05)  # the peers' reductions are in flight, waiting for ours: it never comes
             die("allreduce")
+        if armed("stall"):
+            write_text(os.path.join(args.workdir, f"g{args.group}.stalled"), str(manager.current_step()))
+            deadline = time.monotonic() + 90
+            while read(kill_file).startswith("stall") and time.monotonic() < deadline:
+                time.sleep(0.02)
         return issue(tensor, *a, **kw)
 
     manager.allreduce = check_then_allreduce  # type: ignore[method-assign]

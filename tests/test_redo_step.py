@@ -53,9 +53,10 @@ class Job:
     """Three groups of the worker (`ranks` processes each); group 2 is killed once and restarted."""
 
     def __init__(self, processes: Any, workdir: str, lighthouse: str, env: dict[str, str], extra: list[str],
-                 ranks: int = 1) -> None:
+                 ranks: int = 1, place: Any = None) -> None:
         self.processes, self.workdir, self.lighthouse, self.env, self.extra = processes, workdir, lighthouse, env, extra
         self.ranks = ranks
+        self.place = place or (lambda g: processes)  # group -> what spawns its processes (a simulated host's)
         self.procs: dict[tuple[int, int], Any] = {}
         self.stores: dict[int, Any] = {}  # group -> the TCPStore its ranks meet in (the latest incarnation's)
         self.incarnation = {g: 0 for g in range(3)}
@@ -73,7 +74,7 @@ class Job:
         for rank in range(self.ranks):
             path = os.path.join(self.workdir, self.name(g, self.incarnation[g], rank) + ".out")
             out = open(path, "w")  # noqa: SIM115 (the child keeps it)
-            self.procs[g, rank] = self.processes.spawn(
+            self.procs[g, rank] = self.place(g).spawn(
                 [sys.executable, WORKER, "--group", str(g), "--incarnation", str(self.incarnation[g]),
                  "--rank", str(rank), "--ranks", str(self.ranks), *store, "--workdir", self.workdir, *self.extra],
                 env=self.child_env(), stdout=out, stderr=out)
@@ -117,33 +118,53 @@ class Job:
 def run_kill(processes: Any, tmp_path: Any, point: str, *, hold: bool, env: dict[str, str],
              extra: list[str] | None = None, hold_vote: bool = False, ranks: int = 1) -> tuple[Job, int]:
     """Kill group 2 (every rank) at `point` of step S, restart it, let it heal, stop everyone; (job, S)."""
-    workdir = str(tmp_path)
     with LighthouseServer(min_replicas=1, join_timeout_ms=5000) as lighthouse:
-        job = Job(processes, workdir, lighthouse.address(), env, extra or [], ranks)
-        for g in range(3):
-            job.start(g)
-        job.wait(lambda: all(len(job.committed(g)) >= 3 for g in range(3)), 90, "every group committing")
-        # hold_vote: both sides must arm at the same step, ahead of every group (about 60 steps a second)
-        kill_step = max(r["step"] for g in range(3) for r in job.steps(g)) + (40 if hold_vote else 3)
-        if hold:
-            write(os.path.join(workdir, "hold"), str(kill_step))
-        if hold_vote:
-            write(os.path.join(workdir, "hold_vote"), str(kill_step))
-        write(os.path.join(workdir, f"g{VICTIM}.kill"), f"{point}:{kill_step}")
-        for rank in range(ranks):
-            assert job.procs[VICTIM, rank].wait(timeout=60) == -signal.SIGKILL, job.output(VICTIM, rank)
-        kill_step = int(re.search(r"SIGKILL self at step (\d+)", job.output(VICTIM)).group(1))
-        for name in (f"g{VICTIM}.kill", "hold", "hold_vote"):  # not for the restarted incarnation
-            if os.path.exists(os.path.join(workdir, name)):
-                os.remove(os.path.join(workdir, name))
-        job.wait(lambda: all(any(r["step"] >= kill_step for r in job.steps(g)) for g in SURVIVORS), 60,
-                 "the survivors' vote on the step of the kill")
-        job.start(VICTIM)
-        job.wait(lambda: len(job.committed(VICTIM)) >= 2, 90, "the restarted group healing and committing")
-        write(os.path.join(workdir, "stop"), str(max(r["step"] for g in range(3) for r in job.steps(g)) + 3))
-        for (g, rank), proc in job.procs.items():
-            assert proc.wait(timeout=60) == 0, f"group {g} rank {rank}:\n{job.output(g, rank)}"
-    return job, kill_step
+        job = Job(processes, str(tmp_path), lighthouse.address(), env, extra or [], ranks)
+        return job, kill_and_restart(job, point, hold=hold, hold_vote=hold_vote)
+
+
+def start_and_arm(job: Job, point: str, *, hold: bool, hold_vote: bool = False) -> int:
+    """Start every group, wait for them to commit, arm `point` in group 2 a few steps ahead; that step."""
+    for g in range(3):
+        job.start(g)
+    job.wait(lambda: all(len(job.committed(g)) >= 3 for g in range(3)), 90, "every group committing")
+    # hold_vote: both sides must arm at the same step, ahead of every group (about 60 steps a second)
+    kill_step = max(r["step"] for g in range(3) for r in job.steps(g)) + (40 if hold_vote else 3)
+    if hold:
+        write(os.path.join(job.workdir, "hold"), str(kill_step))
+    if hold_vote:
+        write(os.path.join(job.workdir, "hold_vote"), str(kill_step))
+    write(os.path.join(job.workdir, f"g{VICTIM}.kill"), f"{point}:{kill_step}")
+    return kill_step
+
+
+def disarm(job: Job) -> None:
+    for name in (f"g{VICTIM}.kill", "hold", "hold_vote"):  # not for the restarted incarnation
+        if os.path.exists(os.path.join(job.workdir, name)):
+            os.remove(os.path.join(job.workdir, name))
+
+
+def stop_job(job: Job) -> None:
+    """Every group stops a few steps ahead of the furthest; each process must exit cleanly."""
+    write(os.path.join(job.workdir, "stop"), str(max(r["step"] for g in range(3) for r in job.steps(g)) + 3))
+    for (g, rank), proc in job.procs.items():
+        assert proc.wait(timeout=60) == 0, f"group {g} rank {rank}:\n{job.output(g, rank)}"
+
+
+def kill_and_restart(job: Job, point: str, *, hold: bool, hold_vote: bool = False) -> int:
+    """run_kill's steps on a job whose lighthouse is up: start it, kill group 2 at `point` of step S, restart
+    it, let it heal, stop everyone; S."""
+    start_and_arm(job, point, hold=hold, hold_vote=hold_vote)
+    for rank in range(job.ranks):
+        assert job.procs[VICTIM, rank].wait(timeout=60) == -signal.SIGKILL, job.output(VICTIM, rank)
+    kill_step = int(re.search(r"SIGKILL self at step (\d+)", job.output(VICTIM)).group(1))
+    disarm(job)
+    job.wait(lambda: all(any(r["step"] >= kill_step for r in job.steps(g)) for g in SURVIVORS), 60,
+             "the survivors' vote on the step of the kill")
+    job.start(VICTIM)
+    job.wait(lambda: len(job.committed(VICTIM)) >= 2, 90, "the restarted group healing and committing")
+    stop_job(job)
+    return kill_step
 
 
 def assert_identical(job: Job) -> None:
