@@ -13,7 +13,10 @@ ft_core DDP + OptimizerWrapper, AdamW, each group its own data. The test steers 
 - `<workdir>/hold_vote` holding `STEP`: unless a kill is armed here, after the backward pass of that step (or
   the first one after), wait (at most 20 s) until the lighthouse's notice of a lost peer reached the
   Manager, and record whether it did (`lost_before_vote`), so the loss lands after the gradients'
-  reductions and before the rest of the step (--read-reduced's loss reduction, the vote);
+  reductions and before the rest of the step (--read-reduced's loss reduction, the vote). Each such rank
+  first writes `reduced.g<N>.r<R>`, and a group whose kill is armed at `reduced` or `vote` dies only once
+  every other group's ranks have (at most 20 s): a kill as soon as its own reductions completed could
+  land while a slower survivor rank's were still in flight;
 - `<workdir>/stop` holding `STEP`: stop there.
 
 With --ranks N the group has N ranks (one process each, --rank R, all meeting in the TCPStore the test
@@ -57,6 +60,9 @@ from ft_core.ddp import DistributedDataParallel
 from ft_core.manager import Manager
 from ft_core.optim import OptimizerWrapper
 from ft_core.process_groups import ProcessGroupGloo
+
+
+GROUPS = 3  # the test's replica groups
 
 
 def read(path: str) -> str:
@@ -160,6 +166,16 @@ def main() -> int:
             while manager.errored() is None and time.monotonic() < deadline:
                 time.sleep(0.005)
 
+    def survivors_reduced() -> None:
+        """With hold_vote: wait until every rank of every other group has completed the step's reductions."""
+        if not read(os.path.join(args.workdir, "hold_vote")):
+            return
+        markers = [os.path.join(args.workdir, f"reduced.g{g}.r{r}") for g in range(GROUPS) if g != args.group
+                   for r in range(args.ranks)]
+        deadline = time.monotonic() + 20
+        while not all(os.path.exists(m) for m in markers) and time.monotonic() < deadline:
+            time.sleep(0.005)
+
     held: list[int] = []
     hold_vote_at, held_vote = "", False  # the hold_vote file's step, read once (the test removes the file)
     ddp.register_forward_pre_hook(before_forward)
@@ -182,7 +198,7 @@ def main() -> int:
     if args.exactly_once:
         data = torch.utils.data.TensorDataset(torch.randn(100000, 16, generator=torch.Generator().manual_seed(7)),
                                               torch.randint(0, 4, (100000,), generator=torch.Generator().manual_seed(8)))
-        sampler = DistributedSampler(data, replica_group_id=args.group, num_replica_groups=3, manager=manager,
+        sampler = DistributedSampler(data, replica_group_id=args.group, num_replica_groups=GROUPS, manager=manager,
                                      batch_size=8, shuffle=False)
         batches = iter(torch.utils.data.DataLoader(data, batch_sampler=sampler))
     log = open(prefix + ".steps.jsonl", "a", buffering=1)  # noqa: SIM115 (open until exit)
@@ -214,10 +230,12 @@ def main() -> int:
             ddp.backward(loss)
         seen["reduced"] = projections([q.grad for q in model.parameters()])
         if armed("reduced"):
+            survivors_reduced()
             die("reduced")
         hold_vote_at = hold_vote_at or read(os.path.join(args.workdir, "hold_vote"))
         if hold_vote_at and manager.current_step() >= int(hold_vote_at) and not held_vote and not read(kill_file):
             held_vote = True  # once, and only in the survivors (no kill armed here)
+            write_text(os.path.join(args.workdir, f"reduced.g{args.group}.r{args.rank}"), str(manager.current_step()))
             deadline = time.monotonic() + 20
             while not manager._redo.lost and time.monotonic() < deadline:
                 time.sleep(0.005)
@@ -239,6 +257,7 @@ def main() -> int:
                               "participating": manager.is_participating(),
                               **seen}) + "\n")
         if armed("vote", step):  # the step voted on, not the next one
+            survivors_reduced()
             die("vote", step)
         time.sleep(0.01)
     with open(prefix + ".final.json", "w") as f:
