@@ -27,10 +27,16 @@ import ft_lightning  # noqa: F401  (registers "fault_tolerant_ddp", as a user sc
 from ft_core.manager import Manager
 
 ALLREDUCES = [0]
+KILL_IN_REDUCTION_AT = [None]  # --kill-in-reduction-at-step
 _original_allreduce = Manager._allreduce_future
 
 
 def _counted_allreduce(self, tensor, reduce_op=torch.distributed.ReduceOp.AVG, **kw):  # type: ignore[no-untyped-def]
+    if KILL_IN_REDUCTION_AT[0] is not None and self.current_step() >= KILL_IN_REDUCTION_AT[0] \
+            and self.num_participants() == 3:  # a step every group takes part in
+        time.sleep(0.05)  # the peers' reductions of this step are in flight, waiting for ours: it never comes
+        print(f"SIGKILL self in the reduction of step {self.current_step()}", flush=True)
+        os.kill(os.getpid(), 9)
     ALLREDUCES[0] += 1
     return _original_allreduce(self, tensor, reduce_op, **kw)
 
@@ -49,6 +55,8 @@ class EventCounter(logging.Handler):
         if isinstance(event, dict):
             kind = str(event.get("type"))
             self.counts[kind] = self.counts.get(kind, 0) + 1
+            if kind == "redo" and event.get("replayed"):
+                self.counts["redo_replayed"] = self.counts.get("redo_replayed", 0) + 1
 
 
 def dataset(n: int, seed: int) -> TensorDataset:
@@ -107,6 +115,8 @@ class Recorder(pl.Callback):
 
     def on_train_start(self, trainer, pl_module):  # type: ignore[no-untyped-def]
         self.resumed_manager_step = trainer.strategy.manager.current_step()
+        with open(os.path.join(self.args.out, f"train_started_g{self.args.group}_{os.getpid()}"), "w"):
+            pass
         train_sampler = trainer.train_dataloader.sampler
         val_sampler = trainer.val_dataloaders.sampler
         self.samplers = {"train": [train_sampler.num_replicas, train_sampler.rank],
@@ -120,6 +130,12 @@ class Recorder(pl.Callback):
                 "batches_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
+        for hold in self.args.hold:
+            step, _, name = hold.partition(":")
+            if trainer.global_step == int(step):
+                deadline = time.monotonic() + 90  # until the test writes <out>/<name>
+                while not os.path.exists(os.path.join(self.args.out, name)) and time.monotonic() < deadline:
+                    time.sleep(0.02)
         if batch_idx % trainer.accumulate_grad_batches == 0:
             self.before = self._state(trainer)
             if self.failed_step is not None and "before" in self.failed_step and self.failed_step["after"] is None:
@@ -176,9 +192,15 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--fail-at-step", type=int, default=None)
     parser.add_argument("--kill-at-step", type=int, default=None)
+    parser.add_argument("--hold", action="append", default=[], metavar="STEP:FILE",
+                        help="before optimizer step STEP, wait (at most 90 s) until the test writes <out>/FILE")
+    parser.add_argument("--kill-in-reduction-at-step", type=int, default=None,
+                        help="SIGKILL self instead of issuing the cross-group reduction of this Manager step (or the "
+                             "first after it that 3 groups take part in)")
     parser.add_argument("--checkpoint", action="store_true")
     parser.add_argument("--machine-dir", default=None, help="this group's own checkpoint root (another machine's disk)")
     args = parser.parse_args()
+    KILL_IN_REDUCTION_AT[0] = args.kill_in_reduction_at_step
 
     events = EventCounter()
     events_logger = logging.getLogger("ft_core.events")

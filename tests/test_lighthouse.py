@@ -1009,3 +1009,45 @@ def test_a_shrink_only_call_from_outside_the_last_quorum_is_answered_at_once_on_
             stream.stop()
         assert sorted(answers) == ["a", "b"], answers
         assert all(isinstance(q, Quorum) and q.replica_ids == ["a", "b"] for q in answers.values()), answers
+
+
+@pytest.mark.timeout(60)
+def test_a_redo_whose_quorum_lost_too_many_members_for_min_replicas_is_answered_at_once_and_keeps_no_joiner_out(
+) -> None:
+    """min_replicas 2; the last quorum is {a, c} and c is lost. a's redo of its step (shrink-only: the last
+    quorum's members only) can never reach 2, and it kept b, a healthy group waiting for a quorum, out of
+    every round until a's quorum deadline (found by a Lightning test with 3 groups: the survivor of a
+    2-group quorum waited 89.5 s, then lost the step anyway). Now a is answered at once with the reason, and
+    its next quorum, with b, forms."""
+    with LighthouseServer(min_replicas=2, join_timeout_ms=60_000, quorum_tick_ms=50, heartbeat_timeout_ms=1_000,
+                          http_bind=None) as server, LighthouseClient(server.address()) as client:
+        streams = {rid: client.start_heartbeat_stream(rid, interval=timedelta(milliseconds=50)) for rid in "acb"}
+        answers: dict[str, object] = {}
+        try:
+            assert all(s.wait_connected(10) for s in streams.values())
+            streams["b"].stop()  # b comes later
+            first = run_calls([lambda: streams["a"].quorum(QuorumMember("a", step=4), 10 * SECOND),
+                               lambda: streams["c"].quorum(QuorumMember("c", step=4), 10 * SECOND)])
+            assert all(isinstance(q, Quorum) and q.replica_ids == ["a", "c"] for q, _ in first), first
+            streams["c"].stop()  # c is lost
+            wait_for(lambda: not (member_of(server.core.status(), "c") or {}).get("healthy"), what="c lost")
+            streams["b"] = client.start_heartbeat_stream("b", interval=timedelta(milliseconds=50))
+            assert streams["b"].wait_connected(10)
+            joiner = threading.Thread(target=lambda: answers.update(b=streams["b"].quorum(QuorumMember("b", step=0),
+                                                                                         30 * SECOND)))
+            joiner.start()
+            wait_for(lambda: (member_of(server.core.status(), "b") or {}).get("waiting"), what="b's call")
+            asked = time.monotonic()
+            with pytest.raises(RPCError) as redo:
+                streams["a"].quorum(QuorumMember("a", step=5, shrink_only=True), 30 * SECOND)
+            assert time.monotonic() - asked < 10, "the redo waited for its deadline"
+            assert redo.value.code == "FAILED_PRECONDITION", redo.value
+            assert f"only 1 member(s) of the last quorum {first[0][0].quorum_id} are still heartbeating (a), fewer " \
+                   "than min_replicas 2" in str(redo.value), redo.value
+            answers["a"] = streams["a"].quorum(QuorumMember("a", step=5), 30 * SECOND)
+            joiner.join(15)
+        finally:
+            for s in streams.values():
+                s.stop()
+        assert sorted(answers) == ["a", "b"], answers
+        assert all(isinstance(q, Quorum) and q.replica_ids == ["a", "b"] for q in answers.values()), answers

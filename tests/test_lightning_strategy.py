@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO_ROOT, child_env
+from ft_harness import wait_until
 
 WORKER = os.path.join(REPO_ROOT, "tests", "_lightning_worker.py")
 
@@ -393,6 +395,46 @@ def test_two_groups_two_devices_a_killed_group_restarts_heals_and_ends_identical
     for rank in (0, 1):
         assert runs[(1, rank)]["events"].get("heal", 0) == 1, runs[(1, rank)]
         assert runs[(0, rank)]["events"].get("heal", 0) == 0, runs[(0, rank)]
+
+
+@pytest.mark.timeout(200)
+def test_a_group_killed_mid_reduction_costs_the_lightning_survivors_no_step(processes, lighthouse, tmp_path):
+    """3 groups x 1 device (redo on by default for groups of one rank): group 2 is SIGKILLed while the
+    survivors' gradient reduction of a step all three take part in (step 5 or the first after it) waits for
+    its contribution. The survivors redo the reduction without it (one replayed redo each, no step left
+    uncommitted) and every group, the restarted one healed from a live peer, ends at the epochs' last step
+    with the same weights. With FT_REDO_STEP=0 the survivors' step of the kill fails and they end one step
+    short (checked by hand when this test was written)."""
+    args = ("--epochs", "2", "--samples", "96", "--sleep", "0.02")
+    # The survivors hold before step 2 until every group trains (all three then take part from about step 3 on),
+    # and before step 12 until the restarted group 2 trains (so they do not finish without it).
+    survivors = [start_group(processes, lighthouse, tmp_path, g, *args, "--hold", "2:joined", "--hold", "12:release",
+                             groups=3) for g in (0, 1)]
+    victim = start_group(processes, lighthouse, tmp_path, 2, *args, "--kill-in-reduction-at-step", "5", groups=3)
+    wait_until(lambda: all(list(tmp_path.glob(f"train_started_g{g}_*")) for g in range(3)), 90, "every group's start")
+    (tmp_path / "joined").write_text("")
+    assert victim.wait(timeout=150) == -9, logs(tmp_path)
+    kill_step = int(re.search(r"SIGKILL self in the reduction of step (\d+)",
+                              (tmp_path / "group2.log").read_text()).group(1))
+    assert kill_step < 12, logs(tmp_path)
+    restarted = start_group(processes, lighthouse, tmp_path, 2, *args, groups=3)
+    wait_until(lambda: (tmp_path / f"train_started_g2_{restarted.pid}").exists(), 90, "the restarted group's start")
+    (tmp_path / "release").write_text("")
+    wait_all([*survivors, restarted], tmp_path, timeout=170)
+
+    runs = summaries(tmp_path)
+    assert set(runs) == {(0, 0), (1, 0), (2, 0)}
+    assert_identical_weights(tmp_path, 3)
+    steps = 2 * (96 // 3 // 4)  # epochs * batches per group per epoch = 16
+    for g in (0, 1):
+        run = runs[(g, 0)]
+        assert run["global_step"] == run["manager_step"] == steps, (run, logs(tmp_path))
+        assert run["events"].get("redo_replayed") == 1, run
+        log = (tmp_path / f"group{g}.log").read_text()
+        assert "step not committed" not in log, logs(tmp_path)
+        healed_at = [int(step) for step in re.findall(r"ft: healed from group \d+ at step (\d+)", log)]
+        assert all(step < kill_step for step in healed_at), healed_at  # at most the start's sync, not after the kill
+    assert runs[(2, 0)]["events"].get("heal") == 1 and runs[(2, 0)]["global_step"] == steps, runs[(2, 0)]
 
 
 @pytest.mark.cuda

@@ -203,19 +203,30 @@ def next_quorum_id(prev_quorum: Quorum | None, quorum_id: int, participants: Ite
 EXCLUDED_CODE = "FAILED_PRECONDITION"  # the status a shrink-only caller outside the last quorum is answered with
 
 
-def outside_last_quorum(waiting: Mapping[str, Joined], prev: Quorum | None) -> dict[str, str]:
-    """Rule 2's dead end: the waiting replicas that ask for a shrink-only quorum (a redo of their step) but are
-    not members of the previous quorum, each with the answer it gets at once. Shrink-only keeps to the previous
-    members and such a caller asks for nothing else, so no quorum can include it: left waiting, it would wait
-    out its whole deadline, and its shrink_only would keep every joiner out of the others' rounds meanwhile."""
+def outside_last_quorum(waiting: Mapping[str, Joined], prev: Quorum | None, healthy: set[str] | None = None,
+                        min_replicas: int = 1) -> dict[str, str]:
+    """Rule 2's dead ends: the waiting replicas that ask for a shrink-only quorum (a redo of their step) that no
+    quorum can ever answer, each with the answer it gets at once. Shrink-only keeps to the previous members, so
+    no quorum can include a caller that is not one of them, nor any caller when fewer of them than
+    min_replicas are still heartbeating (`healthy`; a lost member stays lost for that quorum). Left waiting, such
+    a caller would wait out its whole deadline, and its shrink_only would keep every joiner out of the others'
+    rounds meanwhile (a survivor whose only peer died kept a healthy third group out for its quorum timeout)."""
     asking = [rid for rid, j in waiting.items() if j.member.shrink_only] if prev is not None else []
     if not asking:  # the steady state: nothing more to do per decision
         return {}
     members = set(prev.replica_ids)
-    return {rid: (f"{rid} asked for a shrink-only quorum (a redo of its step), but it is not a member of the last "
-                  f"quorum {prev.quorum_id} ({', '.join(sorted(members))}), which the others have trained on "
-                  f"without it; its step fails now and it rejoins with its next quorum")
-            for rid in asking if rid not in members}
+    answers = {rid: (f"{rid} asked for a shrink-only quorum (a redo of its step), but it is not a member of the last "
+                     f"quorum {prev.quorum_id} ({', '.join(sorted(members))}), which the others have trained on "
+                     f"without it; its step fails now and it rejoins with its next quorum")
+               for rid in asking if rid not in members}
+    left = sorted(members & healthy) if healthy is not None else sorted(members)
+    if len(left) < min(min_replicas, len(members)):  # all of them still there: the fast path can reissue it
+        answers.update({rid: (f"{rid} asked for a shrink-only quorum (a redo of its step), but only {len(left)} "
+                              f"member(s) of the last quorum {prev.quorum_id} are still heartbeating "
+                              f"({', '.join(left) or 'none'}), fewer than min_replicas {min_replicas}: no redo can "
+                              f"form; its step fails now and it rejoins with its next quorum")
+                        for rid in asking if rid not in answers})
+    return answers
 
 
 def decide(state: LighthouseState, now: float, config: QuorumConfig) -> Decision:
@@ -225,7 +236,7 @@ def decide(state: LighthouseState, now: float, config: QuorumConfig) -> Decision
         if state.first_seen else {}
     if refused:  # rule 8: a second live incarnation of a group neither counts nor takes part
         healthy -= refused.keys()
-    excluded = outside_last_quorum(state.waiting, state.prev_quorum)  # rule 2: answered now, never issued
+    excluded = outside_last_quorum(state.waiting, state.prev_quorum, healthy, config.min_replicas)  # rule 2
     joined = {rid: j for rid, j in state.waiting.items() if rid in healthy and rid not in excluded}
     candidates = [joined[rid].member for rid in sorted(joined)]
     shrink_only = any(m.shrink_only for m in candidates)
