@@ -26,7 +26,7 @@ import collections
 import dataclasses
 import logging
 import threading
-from collections.abc import Iterator, Sequence, Sized
+from collections.abc import Callable, Iterator, Sequence, Sized
 from typing import Any
 
 import torch
@@ -412,9 +412,20 @@ class DistributedSampler(torch.utils.data.distributed.DistributedSampler):
         pieces = step_pieces(pos, n, self.shape)
         held = not drawn.void and group_holds(drawn.epoch, drawn.group, pos, pieces, rank)
         votes = torch.zeros(max(n, 1), dtype=torch.int64)
-        if held and rank is not None:
-            votes[rank] = 1
-        manager.allreduce(votes, dist.ReduceOp.SUM).wait()
+
+        def own_vote() -> bool:  # the input, again: a redo (ft_core.redo) can reduce it again after a failure
+            votes.zero_()
+            if held and rank is not None:
+                votes[rank] = 1
+            return True
+
+        own_vote()
+        work = manager.allreduce(votes, dist.ReduceOp.SUM)
+        revote: list[Callable[[], None]] = []  # set once the outcome exists; a redo at the wait needs none
+        on_redo = getattr(manager, "on_redo", None)  # a step redone without a lost peer re-sums the votes
+        if on_redo is not None:
+            on_redo(votes, lambda: revote[0]() if revote else None, own_vote)
+        work.wait()
         outcome = _Outcome(pos.step, n, tuple(int(v) > 0 for v in votes.tolist()[:n]),
                            None if drawn.stale else drawn.num_participants)
         with self._lock:
@@ -429,9 +440,7 @@ class DistributedSampler(torch.utils.data.distributed.DistributedSampler):
                          for p in ranks[self.group_rank])
         self.last_batch = BatchRecord(pos.step, pos.epoch, drawn.indices if real else (), rank, n, real,
                                       outcome.held, consumed)
-        on_redo = getattr(manager, "on_redo", None)  # a step redone without a lost peer re-sums the votes
-        if on_redo is not None:
-            on_redo(votes, lambda: self._revote(votes, outcome, pieces, order))
+        revote.append(lambda: self._revote(votes, outcome, pieces, order))
         return 1.0 if real else 0.0
 
     def _revote(self, votes: torch.Tensor, outcome: _Outcome, pieces: list, order: list[int]) -> None:

@@ -4,6 +4,9 @@ writing the ledger of tests/test_data_ledger.py: per step attempt {"kind": "atte
 `accelerator.backward` (the exactly-once check runs there), then {"kind": "outcome", committed}.
 `--save DIR` runs `accelerator.save_state(DIR/group<g>/step_N)` every `--save-every` committed steps;
 `--resume` loads the newest one at start; `--save-final` saves once more after the loop.
+`--kill-in-reduction-at-step N` SIGKILLs the process instead of issuing its cross-group reduction of the
+first step from N on that every group of the job takes part in; `--hold STEP:FILE` waits (at most 90 s)
+before that Manager step until FILE exists.
 """
 
 from __future__ import annotations
@@ -24,6 +27,30 @@ def newest(directory: str) -> str | None:
     return found[-1] if found else None
 
 
+def kill_in_reduction(step: int, groups: int) -> None:
+    from ft_core.manager import Manager
+
+    issue = Manager._allreduce_future
+
+    def or_die(self, tensor, *a, **kw):  # type: ignore[no-untyped-def]
+        if self.current_step() >= step and self.num_participants() == groups:
+            time.sleep(0.05)  # the peers' reductions of this step are in flight, waiting for ours: it never comes
+            print(f"SIGKILL self in the reduction of step {self.current_step()}", flush=True)
+            os.kill(os.getpid(), 9)
+        return issue(self, tensor, *a, **kw)
+
+    Manager._allreduce_future = or_die
+
+
+def hold(holds: list[str], step: int) -> None:
+    for spec in holds:
+        at, _, path = spec.partition(":")
+        if step == int(at):
+            deadline = time.monotonic() + 90
+            while not os.path.exists(path) and time.monotonic() < deadline:
+                time.sleep(0.02)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--ledger", required=True)
@@ -40,7 +67,11 @@ def main() -> int:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--save-final", action="store_true", help="save_state once more after the loop")
     p.add_argument("--checkpoint-dir", default=None, help="FaultTolerancePlugin(checkpoint_dir=): the job's folders")
+    p.add_argument("--kill-in-reduction-at-step", type=int, default=None)
+    p.add_argument("--hold", action="append", default=[], metavar="STEP:FILE")
     args = p.parse_args()
+    if args.kill_in_reduction_at_step is not None:
+        kill_in_reduction(args.kill_in_reduction_at_step, int(os.environ["NUM_REPLICA_GROUPS"]))
     torch.set_num_threads(1)
     # Imported here, not at the top: spawned DataLoader workers re-import this file and need only torch.
     from ft_lightning.accelerate import FaultTolerancePlugin, FaultTolerantAccelerator
@@ -67,6 +98,7 @@ def main() -> int:
     ledger.write("start", step=accelerator.ft_step, epoch=sampler.epoch, position=fingerprint(sampler))
     for epoch in range(args.epochs):
         for x, idx in loader:
+            hold(args.hold, accelerator.ft_step)
             before = fingerprint(sampler)
             loss = model(x).pow(2).mean()
             accelerator.backward(loss)  # the exactly-once check: the loss counts only for the step's assignment

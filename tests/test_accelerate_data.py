@@ -10,10 +10,12 @@ import collections
 import glob
 import json
 import os
+import re
 import time
 
 import pytest
 from conftest import REPO_ROOT, SLOW
+from ft_harness import read_jsonl, wait_until
 from test_data_ledger import LedgerGroup, check_ledger, read_ledgers
 from test_data_ledger import run_with_kills as ledger_run_with_kills
 
@@ -188,3 +190,53 @@ def test_a_group_restarted_after_the_job_finished_does_not_retrain_alone(process
     else:
         assert code != 0, out[-3000:]
         assert "the job finished at step" in out and "holds no accelerator.save_state checkpoint" in out, out[-3000:]
+
+
+@pytest.mark.timeout(150)
+def test_a_group_killed_mid_reduction_costs_the_accelerate_survivors_no_step(processes, tmp_path):
+    """3 groups of the plain Accelerate loop with exactly-once data (redo on by default for groups of one
+    rank): group 2 is SIGKILLed while the survivors' reduction of a step all three take part in waits for
+    its contribution. The survivors commit every step they attempt (the reduction is redone without it),
+    the restarted group heals and finishes with them, every group ends with the same weights, and each
+    epoch's committed batches still cover the data exactly once (the redone step gave the dead group's
+    batch back). With FT_REDO_STEP=0 the survivors' step of the kill fails (checked by hand)."""
+    size, epochs = 240, 2
+    with LighthouseServer(min_replicas=2, join_timeout_ms=2_000, heartbeat_timeout_ms=2_000,
+                          http_bind=None) as lighthouse:
+        # The survivors hold before step 3 until group 2 is up (all three then take part), and before step 30
+        # until the restarted group 2 is up (an Accelerate start takes seconds: they must not finish alone).
+        joined, restarted = str(tmp_path / "joined"), str(tmp_path / "restarted")
+        survivor_args = ["--epochs", str(epochs), "--size", str(size), "--hold", f"3:{joined}",
+                         "--hold", f"30:{restarted}"]
+        groups = [LedgerGroup(processes, tmp_path, g, 3, lighthouse.address(), survivor_args, worker=WORKER)
+                  for g in range(2)]
+        victim = LedgerGroup(processes, tmp_path, 2, 3, lighthouse.address(),
+                             ["--epochs", str(epochs), "--size", str(size)], worker=WORKER)
+        for g in groups:
+            g.start()
+        victim.start(["--kill-in-reduction-at-step", "5"])
+        def group_2_members() -> set[str]:
+            return {m["replica_id"] for m in lighthouse.core.status()["members"]
+                    if m["replica_id"].startswith("2:") and m.get("healthy")}
+
+        # its Manager heartbeats before its first quorum, which needs the survivors
+        wait_until(group_2_members, 90, "group 2's Manager")
+        open(joined, "w").close()
+        assert victim.proc.wait(timeout=90) == -9
+        with open(os.path.join(str(tmp_path), "g2.i1.out")) as f:
+            kill_step = int(re.search(r"SIGKILL self in the reduction of step (\d+)", f.read()).group(1))
+        assert kill_step < 30
+        before = group_2_members()
+        victim.start()
+        wait_until(lambda: group_2_members() - before, 90, "the restarted group's Manager")
+        open(restarted, "w").close()
+        for g in (*groups, victim):
+            assert g.proc.wait(timeout=90) == 0, open(os.path.join(str(tmp_path), f"g{g.group}.i{g.incarnation}.out")).read()[-3000:]
+    for g in groups:
+        failed = [r for r in read_jsonl(g.ledger(rank=0)) if r.get("kind") == "outcome" and not r["committed"]]
+        assert not failed, (g.group, failed)
+    done = [r for g in (*groups, victim) for r in read_jsonl(g.ledger(rank=0)) if r.get("kind") == "done"]
+    assert len(done) == 3 and len({(r["step"], r["weights"]) for r in done}) == 1, done
+    verdict = check_ledger(tmp_path, size)
+    assert sorted(verdict) == list(range(epochs)), verdict
+    assert all(v["lost"] == 0 and v["duplicated"] == 0 for v in verdict.values()), verdict

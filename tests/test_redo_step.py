@@ -353,10 +353,16 @@ def test_a_reduction_issued_after_a_peer_lost_past_the_gradients_fails_or_redoes
 
 
 @pytest.mark.timeout(120)
-def test_a_redone_step_consumes_the_survivors_batches_and_gives_the_dead_group_s_back(processes, tmp_path) -> None:
+@pytest.mark.parametrize("point, hold", [("forward", True), ("allreduce", False)],
+                         ids=["killed-in-the-forward-pass", "killed-in-the-votes-reduction"])
+def test_a_redone_step_consumes_the_survivors_batches_and_gives_the_dead_group_s_back(processes, tmp_path, point,
+                                                                                      hold) -> None:
     """Exactly-once sampler: the redone step re-sums the held-batch votes without the dead group, so the
-    survivors agree that their batches are consumed and the dead group's is not (it is trained later)."""
-    job, kill_step = run_kill(processes, tmp_path, "forward", hold=True, env={}, extra=["--exactly-once"])
+    survivors agree that their batches are consumed and the dead group's is not (it is trained later). Killed
+    in the step's first reduction (the sampler's votes, in flight with the dead group), the votes are rebuilt
+    from what the sampler knows and reduced again (until 2026-12-06 nothing rebuilt them and the step was
+    lost without FT_REDO_COPY=1; found by tests/test_accelerate_data.py)."""
+    job, kill_step = run_kill(processes, tmp_path, point, hold=hold, env={}, extra=["--exactly-once"])
     assert_no_step_lost(job, kill_step)
     rows_at = [next(r for r in job.steps(g) if r["step"] == kill_step) for g in SURVIVORS]
     assert rows_at[0]["held"] == rows_at[1]["held"] and rows_at[0]["consumed"] == rows_at[1]["consumed"], rows_at
