@@ -28,6 +28,7 @@ from test_redo_step import (
     VICTIM,
     Job,
     assert_identical,
+    assert_kept_with_the_dead_group_s_contribution,
     assert_no_step_lost,
     assert_reduced_is_the_participants_mean,
     disarm,
@@ -73,14 +74,7 @@ def test_on_simulated_hosts_a_group_killed_mid_reduction_costs_the_survivors_no_
 def test_on_simulated_hosts_a_group_lost_after_the_step_s_reductions_completed_costs_the_survivors_no_step(
         simulated_hosts, tmp_path) -> None:
     _, job = job_on_hosts(simulated_hosts, tmp_path, {})
-    kill_step = kill_and_restart(job, "reduced", hold=False, hold_vote=True)
-    for g in SURVIVORS:
-        row = next(r for r in job.steps(g) if r["step"] == kill_step)
-        assert row["lost_before_vote"], f"the loss did not reach group {g} before its vote: {row}\n{job.output(g)}"
-        assert row["committed"] and row["participants"] == 3, (row, job.output(g))
-        assert not [r for r in job.steps(g) if not r["committed"]], job.output(g)
-        assert not [e for e in job.events(g) if e["type"] == "redo"], job.output(g)
-    assert_identical(job)
+    assert_kept_with_the_dead_group_s_contribution(job, kill_and_restart(job, "reduced", hold=False, hold_vote=True))
 
 
 @pytest.mark.timeout(150)

@@ -216,6 +216,22 @@ def assert_no_step_lost(job: Job, kill_step: int) -> None:
         assert row["committed"] and row["participants"] == 2, row
 
 
+def assert_kept_with_the_dead_group_s_contribution(job: Job, kill_step: int) -> None:
+    """The loss reached the survivors before their vote, and they committed the step with 3 participants, the
+    values they held, no redo and no failed step; everyone stays identical."""
+    for g in SURVIVORS:
+        row = next(r for r in job.steps(g) if r["step"] == kill_step)
+        assert row["lost_before_vote"], f"the loss did not reach group {g} before its vote: {row}\n{job.output(g)}"
+        assert row["committed"] and row["participants"] == 3, (row, job.output(g))
+        assert not [r for r in job.steps(g) if not r["committed"]], job.output(g)
+        assert not [e for e in job.events(g) if e["type"] == "redo"], job.output(g)
+        steps = [r["step"] for r in job.committed(g) if r["step"] >= kill_step - 1]
+        assert steps[:2] == [kill_step - 1, kill_step] and steps == list(range(steps[0], steps[0] + len(steps)))
+    rows = [next(r for r in job.steps(g) if r["step"] == kill_step) for g in SURVIVORS]
+    assert rows[0]["reduced"] == pytest.approx(rows[1]["reduced"], rel=1e-6) and rows[0]["digest"] == rows[1]["digest"]
+    assert_identical(job)
+
+
 @pytest.mark.timeout(120)
 def test_a_group_killed_in_the_survivors_forward_pass_costs_them_no_step(processes, tmp_path) -> None:
     """Default mode: the loss is pushed before any reduction of the step is sent, so nothing is copied."""
@@ -275,17 +291,7 @@ def test_a_group_lost_after_the_step_s_reductions_completed_costs_the_survivors_
     loss failed the step, once in a CI run of tests/test_accelerate_epochs.py). Nothing is redone, so the
     same holds with redo off."""
     job, kill_step = run_kill(processes, tmp_path, point, hold=False, hold_vote=True, env=env)
-    for g in SURVIVORS:
-        row = next(r for r in job.steps(g) if r["step"] == kill_step)
-        assert row["lost_before_vote"], f"the loss did not reach group {g} before its vote: {row}\n{job.output(g)}"
-        assert row["committed"] and row["participants"] == 3, (row, job.output(g))
-        assert not [r for r in job.steps(g) if not r["committed"]], job.output(g)
-        assert not [e for e in job.events(g) if e["type"] == "redo"], job.output(g)
-        steps = [r["step"] for r in job.committed(g) if r["step"] >= kill_step - 1]
-        assert steps[:2] == [kill_step - 1, kill_step] and steps == list(range(steps[0], steps[0] + len(steps)))
-    rows = [next(r for r in job.steps(g) if r["step"] == kill_step) for g in SURVIVORS]
-    assert rows[0]["reduced"] == pytest.approx(rows[1]["reduced"], rel=1e-6) and rows[0]["digest"] == rows[1]["digest"]
-    assert_identical(job)
+    assert_kept_with_the_dead_group_s_contribution(job, kill_step)
 
 
 @pytest.mark.timeout(150)
