@@ -252,11 +252,17 @@ class LiveQuorum:
     # ---- inside a step: part of the step's reductions ------------------------------------------
 
     def _managed(self, tensor: torch.Tensor, op: str) -> torch.Tensor | None:
-        work = tensor.detach().clone()
-        if op == "mean" and not work.is_floating_point():
-            work = work.double()
+        source = tensor.detach().clone()  # the input, kept: a redo (ft_core.redo) reduces it again
+        work = source.double() if op == "mean" and not source.is_floating_point() else source.clone()
+
+        def restore() -> bool:
+            work.copy_(source)
+            return True
+
         try:
-            self._manager.allreduce(work, _OPS[op]).wait()
+            pending = self._manager.allreduce(work, _OPS[op])
+            self._manager.on_redo(work, lambda: None, restore)
+            pending.wait()
         except Exception as exc:  # noqa: BLE001 - any failure: the local answer (the step fails on its own)
             self._fallback(f"the step's reduction raised {exc!r}")
             return None

@@ -76,7 +76,10 @@ class Regression(pl.LightningModule):
         x, y = batch
         if self.args.sleep:
             time.sleep(self.args.sleep)
-        return torch.nn.functional.mse_loss(self.net(x), y)
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        if self.args.log_sync:
+            self.log("train_loss", loss, sync_dist=True)  # a cross-group reduction in the step, before backward
+        return loss
 
     def validation_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
         x, y = batch
@@ -192,6 +195,7 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--fail-at-step", type=int, default=None)
     parser.add_argument("--kill-at-step", type=int, default=None)
+    parser.add_argument("--log-sync", action="store_true", help="self.log(train_loss, sync_dist=True) every step")
     parser.add_argument("--hold", action="append", default=[], metavar="STEP:FILE",
                         help="before optimizer step STEP, wait (at most 90 s) until the test writes <out>/FILE")
     parser.add_argument("--kill-in-reduction-at-step", type=int, default=None,

@@ -398,14 +398,17 @@ def test_two_groups_two_devices_a_killed_group_restarts_heals_and_ends_identical
 
 
 @pytest.mark.timeout(200)
-def test_a_group_killed_mid_reduction_costs_the_lightning_survivors_no_step(processes, lighthouse, tmp_path):
+@pytest.mark.parametrize("extra", [(), ("--log-sync",)], ids=["gradients", "a-logged-value-before-them"])
+def test_a_group_killed_mid_reduction_costs_the_lightning_survivors_no_step(processes, lighthouse, tmp_path, extra):
     """3 groups x 1 device (redo on by default for groups of one rank): group 2 is SIGKILLed while the
     survivors' gradient reduction of a step all three take part in (step 5 or the first after it) waits for
     its contribution. The survivors redo the reduction without it (one replayed redo each, no step left
     uncommitted) and every group, the restarted one healed from a live peer, ends at the epochs' last step
     with the same weights. With FT_REDO_STEP=0 the survivors' step of the kill fails and they end one step
-    short (checked by hand when this test was written)."""
-    args = ("--epochs", "2", "--samples", "96", "--sleep", "0.02")
+    short (checked by hand when this test was written). With `self.log(..., sync_dist=True)` in
+    training_step the kill lands in that value's reduction, the step's first: the strategy keeps its input,
+    so it is reduced again too (until 2026-12-06 nothing kept it and the step was lost)."""
+    args = ("--epochs", "2", "--samples", "96", "--sleep", "0.02", *extra)
     # The survivors hold before step 2 until every group trains (all three then take part from about step 3 on),
     # and before step 12 until the restarted group 2 trains (so they do not finish without it).
     survivors = [start_group(processes, lighthouse, tmp_path, g, *args, "--hold", "2:joined", "--hold", "12:release",
