@@ -20,35 +20,12 @@ import time
 
 import torch
 from _ledger_common import Indexed, Ledger, fingerprint
+from _worker_faults import hold, kill_in_reduction
 
 
 def newest(directory: str) -> str | None:
     found = sorted(glob.glob(os.path.join(directory, "step_*")), key=lambda p: int(p.rsplit("_", 1)[1]))
     return found[-1] if found else None
-
-
-def kill_in_reduction(step: int, groups: int) -> None:
-    from ft_core.manager import Manager
-
-    issue = Manager._allreduce_future
-
-    def or_die(self, tensor, *a, **kw):  # type: ignore[no-untyped-def]
-        if self.current_step() >= step and self.num_participants() == groups:
-            time.sleep(0.05)  # the peers' reductions of this step are in flight, waiting for ours: it never comes
-            print(f"SIGKILL self in the reduction of step {self.current_step()}", flush=True)
-            os.kill(os.getpid(), 9)
-        return issue(self, tensor, *a, **kw)
-
-    Manager._allreduce_future = or_die
-
-
-def hold(holds: list[str], step: int) -> None:
-    for spec in holds:
-        at, _, path = spec.partition(":")
-        if step == int(at):
-            deadline = time.monotonic() + 90
-            while not os.path.exists(path) and time.monotonic() < deadline:
-                time.sleep(0.02)
 
 
 def main() -> int:

@@ -2,6 +2,7 @@
 
 The loop is driven by committed steps (`manager.current_step()`), so a restarted group that heals
 continues with the same batches as the others. Settings come from the environment.
+`--kill-in-reduction-at-step` and `--hold` are tests/_worker_faults.py's.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import sys
 
 import torch
+from _worker_faults import hold, kill_in_reduction
 
 torch.set_num_threads(1)
 
@@ -38,7 +40,11 @@ def main() -> None:
     parser.add_argument("--group", type=int, required=True)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--kill-at-step", type=int, default=None)
+    parser.add_argument("--kill-in-reduction-at-step", type=int, default=None)
+    parser.add_argument("--hold", action="append", default=[], metavar="STEP:FILE")
     args = parser.parse_args()
+    if args.kill_in_reduction_at_step is not None:
+        kill_in_reduction(args.kill_in_reduction_at_step, int(os.environ["NUM_REPLICA_GROUPS"]))
     events = EventCounter()
     logging.getLogger("ft_core.events").setLevel(logging.INFO)
     logging.getLogger("ft_core.events").addHandler(events)
@@ -60,6 +66,7 @@ def main() -> None:
     ys = xs.sum(dim=2, keepdim=True)
     while manager.current_step() < args.steps:
         step = manager.current_step()
+        hold(args.hold, step)
         loss = torch.nn.functional.mse_loss(model(xs[step]), ys[step])  # the forward starts the quorum
         fabric.backward(loss)
         optimizer.step()  # applied only when the step commits

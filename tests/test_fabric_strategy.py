@@ -6,17 +6,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 
 import pytest
 import torch
 from conftest import REPO_ROOT, child_env
+from ft_harness import wait_until
 
 WORKER = os.path.join(REPO_ROOT, "tests", "_fabric_worker.py")
 
 
-def start_group(processes, address: str, out, group: int, *args: str) -> subprocess.Popen:
-    env = child_env(FT_LIGHTHOUSE=address, REPLICA_GROUP_ID=str(group), NUM_REPLICA_GROUPS="2",
+def start_group(processes, address: str, out, group: int, *args: str, groups: int = 2) -> subprocess.Popen:
+    env = child_env(FT_LIGHTHOUSE=address, REPLICA_GROUP_ID=str(group), NUM_REPLICA_GROUPS=str(groups),
                     FT_TIMEOUT_SEC="30", FT_QUORUM_TIMEOUT_SEC="90", FT_CONNECT_TIMEOUT_SEC="30",
                     PYTHONWARNINGS="ignore")
     with open(out / f"group{group}.log", "ab") as log:
@@ -53,6 +55,50 @@ def test_fabric_killed_group_heals_to_identical_weights(processes, tmp_path):
         assert torch.equal(w0[name], w1[name]), name
     restarted_steps = [json.loads(line)["step"] for line in (tmp_path / "progress_g1.jsonl").read_text().splitlines()]
     assert restarted_steps[:4] == [1, 2, 3, 4] and restarted_steps[4] >= 5  # healed forward, not from 0
+
+
+@pytest.mark.timeout(150)
+def test_a_group_killed_mid_reduction_costs_the_fabric_survivors_no_step(processes, tmp_path):
+    """3 groups (redo on by default for groups of one rank): group 2 is SIGKILLed while the survivors'
+    reduction of a step all three take part in waits for its contribution. The survivors redo it without
+    the dead group (one redo each, no step left uncommitted); the restarted group heals; all end identical."""
+    from ft_core.control.lighthouse import LighthouseServer
+
+    with LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=2_000, heartbeat_timeout_ms=2_000,
+                          http_bind=None) as lighthouse:
+        # The survivors hold before step 2 until group 2 is up (all three then take part), and before step 15
+        # until the restarted group 2 is up (so they do not finish without it).
+        def group_2_members() -> set[str]:
+            return {m["replica_id"] for m in lighthouse.core.status()["members"]
+                    if m["replica_id"].split(":")[0] in ("2", "replica_group_2") and m.get("healthy")}
+
+        holds = ("--hold", f"2:{tmp_path / 'joined'}", "--hold", f"15:{tmp_path / 'restarted'}")
+        survivors = [start_group(processes, lighthouse.address(), tmp_path, g, "--steps", "20", *holds, groups=3)
+                     for g in (0, 1)]
+        victim = start_group(processes, lighthouse.address(), tmp_path, 2, "--steps", "20",
+                             "--kill-in-reduction-at-step", "5", groups=3)
+        wait_until(group_2_members, 90, "group 2's Manager")
+        (tmp_path / "joined").write_text("")
+        assert victim.wait(timeout=100) == -9, logs(tmp_path)
+        kill_step = int(re.search(r"SIGKILL self in the reduction of step (\d+)",
+                                  (tmp_path / "group2.log").read_text()).group(1))
+        assert kill_step < 15, logs(tmp_path)
+        before = group_2_members()
+        restarted = start_group(processes, lighthouse.address(), tmp_path, 2, "--steps", "20", groups=3)
+        wait_until(lambda: group_2_members() - before, 90, "the restarted group's Manager")
+        (tmp_path / "restarted").write_text("")
+        for proc in (*survivors, restarted):
+            assert proc.wait(timeout=120) == 0, logs(tmp_path)
+
+    runs = {g: json.loads((tmp_path / f"summary_g{g}.json").read_text()) for g in range(3)}
+    for g in (0, 1):
+        assert runs[g]["step"] == 20 and runs[g]["events"].get("redo") == 1, runs[g]
+        assert "step not committed" not in (tmp_path / f"group{g}.log").read_text(), logs(tmp_path)
+    assert runs[2]["step"] == 20 and runs[2]["events"].get("heal") == 1, runs[2]
+    weights = [torch.load(tmp_path / f"weights_g{g}.pt") for g in range(3)]
+    for other in weights[1:]:
+        for name in weights[0]:
+            assert torch.equal(weights[0][name], other[name]), name
 
 
 FABRIC_LEDGER = os.path.join(REPO_ROOT, "tests", "_fabric_ledger_worker.py")
