@@ -203,7 +203,7 @@ def test_a_group_killed_mid_reduction_costs_the_accelerate_survivors_no_step(pro
     size, epochs = 240, 2
     with LighthouseServer(min_replicas=2, join_timeout_ms=2_000, heartbeat_timeout_ms=2_000,
                           http_bind=None) as lighthouse:
-        # The survivors hold before step 3 until group 2 is up (all three then take part), and before step 30
+        # The survivors hold before step 3 until every group is up (all three then take part), and before step 30
         # until the restarted group 2 is up (an Accelerate start takes seconds: they must not finish alone).
         joined, restarted = str(tmp_path / "joined"), str(tmp_path / "restarted")
         survivor_args = ["--epochs", str(epochs), "--size", str(size), "--hold", f"3:{joined}",
@@ -215,12 +215,15 @@ def test_a_group_killed_mid_reduction_costs_the_accelerate_survivors_no_step(pro
         for g in groups:
             g.start()
         victim.start(["--kill-in-reduction-at-step", "5"])
-        def group_2_members() -> set[str]:
+        def members(group: int) -> set[str]:
             return {m["replica_id"] for m in lighthouse.core.status()["members"]
-                    if m["replica_id"].startswith("2:") and m.get("healthy")}
+                    if m["replica_id"].startswith(f"{group}:") and m.get("healthy")}
 
-        # its Manager heartbeats before its first quorum, which needs the survivors
-        wait_until(group_2_members, 90, "group 2's Manager")
+        def group_2_members() -> set[str]:
+            return members(2)
+
+        # a Manager heartbeats before its first quorum, which needs the held survivors
+        wait_until(lambda: all(members(g) for g in range(3)), 90, "every group's Manager")
         open(joined, "w").close()
         assert victim.proc.wait(timeout=90) == -9
         with open(os.path.join(str(tmp_path), "g2.i1.out")) as f:

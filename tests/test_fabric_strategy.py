@@ -66,18 +66,21 @@ def test_a_group_killed_mid_reduction_costs_the_fabric_survivors_no_step(process
 
     with LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=2_000, heartbeat_timeout_ms=2_000,
                           http_bind=None) as lighthouse:
-        # The survivors hold before step 2 until group 2 is up (all three then take part), and before step 15
+        # The survivors hold before step 2 until every group is up (all three then take part), and before step 15
         # until the restarted group 2 is up (so they do not finish without it).
-        def group_2_members() -> set[str]:
+        def members(group: int) -> set[str]:
             return {m["replica_id"] for m in lighthouse.core.status()["members"]
-                    if m["replica_id"].split(":")[0] in ("2", "replica_group_2") and m.get("healthy")}
+                    if m["replica_id"].split(":")[0] == f"replica_group_{group}" and m.get("healthy")}
+
+        def group_2_members() -> set[str]:
+            return members(2)
 
         holds = ("--hold", f"2:{tmp_path / 'joined'}", "--hold", f"15:{tmp_path / 'restarted'}")
         survivors = [start_group(processes, lighthouse.address(), tmp_path, g, "--steps", "20", *holds, groups=3)
                      for g in (0, 1)]
         victim = start_group(processes, lighthouse.address(), tmp_path, 2, "--steps", "20",
                              "--kill-in-reduction-at-step", "5", groups=3)
-        wait_until(group_2_members, 90, "group 2's Manager")
+        wait_until(lambda: all(members(g) for g in range(3)), 90, "every group's Manager")
         (tmp_path / "joined").write_text("")
         assert victim.wait(timeout=100) == -9, logs(tmp_path)
         kill_step = int(re.search(r"SIGKILL self in the reduction of step (\d+)",

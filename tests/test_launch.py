@@ -41,6 +41,7 @@ SLEEPER = textwrap.dedent("""
     group = os.environ["REPLICA_GROUP_ID"]
     print("up", group, os.environ["RANK"], os.environ["FT_RESTART_COUNT"], os.environ["MASTER_PORT"], child.pid,
           flush=True)
+    open(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"up.{group}"), "w").close()  # printed
     time.sleep(float(os.environ.get("SLEEP_G" + group, sys.argv[1])))
     child.kill()
     child.wait()
@@ -379,6 +380,9 @@ def test_sigterm_ends_every_group_and_the_exit_code_says_so(sleeper, processes):
     while len(seen) < 4 and time.monotonic() < deadline:
         seen |= descendants(launch.pid)
         time.sleep(0.02)
+    printed = [os.path.join(os.path.dirname(sleeper), f"up.{g}") for g in (0, 1)]
+    while not all(os.path.exists(p) for p in printed) and time.monotonic() < deadline:
+        time.sleep(0.02)  # both groups wrote their line (a SIGTERM can otherwise land before it)
     launch.send_signal(signal.SIGTERM)
     out = communicate_or_interrupt(launch, 20)
     assert launch.returncode == 128 + signal.SIGTERM
