@@ -3,6 +3,8 @@ sampler, writing the ledger of tests/_data_ledger_worker.py (read by tests/test_
 `check_ledger`): an "attempt" line per step right after `loss_weight()`, an "outcome" line after the
 optimizer step. Every `--save-every` committed steps it writes `fabric.save(path, {model, optimizer})`,
 which carries the Manager's step and the sampler's position; `--resume` loads it with `fabric.load`.
+`--hold STEP:FILE` waits after committing STEP until FILE exists (tests/_worker_faults.py), so a test can
+kill the group mid-epoch without racing its end.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 torch.set_num_threads(1)
 
 from _ledger_common import Indexed, Ledger, fingerprint
+from _worker_faults import hold
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
@@ -34,6 +37,7 @@ def main() -> int:
     p.add_argument("--save", required=True, help="fabric.save path (the group id is added)")
     p.add_argument("--save-every", type=int, default=5)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--hold", action="append", default=[], help="STEP:FILE: after step STEP, wait for FILE")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     group = int(os.environ["REPLICA_GROUP_ID"])
@@ -69,6 +73,8 @@ def main() -> int:
             ledger.write("outcome", committed=committed, step=manager.current_step(), after=fingerprint(sampler))
             if committed and manager.current_step() % args.save_every == 0:
                 fabric.save(save_path, {"model": model, "optimizer": optimizer})
+            if committed:
+                hold(args.hold, manager.current_step())
             if args.step_sleep:
                 time.sleep(args.step_sleep)
     ledger.write("done", step=manager.current_step(), epoch=sampler.epoch, position=fingerprint(sampler))

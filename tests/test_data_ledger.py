@@ -128,6 +128,11 @@ class LedgerGroup:
     def outcomes(self) -> int:
         return len(self._rows("outcome"))
 
+    def last_step(self) -> int:
+        """The Manager step after this incarnation's last step attempt (-1 before the first)."""
+        rows = self._rows("outcome")
+        return rows[-1]["step"] if rows else -1
+
     def epoch(self) -> int:
         """The epoch of this incarnation's last step attempt (-1 before the first)."""
         rows = self._rows("attempt")

@@ -111,8 +111,9 @@ FABRIC_LEDGER = os.path.join(REPO_ROOT, "tests", "_fabric_ledger_worker.py")
 def test_fabric_every_group_killed_at_once_resumes_from_fabric_save(processes, tmp_path):
     """Three Fabric groups with the exactly-once sampler save `fabric.save(path, {model, optimizer})`
     every 4 committed steps (it adds the Manager's step and the sampler's position); all three are
-    SIGKILLed at once mid-epoch and restarted with `fabric.load`: each resumes at its file's step and
-    position, and the ledger from there (tests/test_data_ledger.py's check) loses and repeats nothing."""
+    SIGKILLed at once mid-epoch (each held after committing step 14 of 20, so none can finish first) and
+    restarted with `fabric.load`: each resumes at its file's step and position, and the ledger from there
+    (tests/test_data_ledger.py's check) loses and repeats nothing."""
     import time
 
     from test_data_ledger import LedgerGroup, check_ledger
@@ -120,9 +121,9 @@ def test_fabric_every_group_killed_at_once_resumes_from_fabric_save(processes, t
     from ft_core.control.lighthouse import LighthouseServer
 
     size = 120  # 10 steps an epoch with 3 groups of batch 4
-    ckpt = tmp_path / "ckpt"
+    ckpt, release = tmp_path / "ckpt", tmp_path / "release"
     args = ["--epochs", "2", "--size", str(size), "--step-sleep", "0.02", "--save", str(ckpt), "--save-every", "4",
-            "--resume"]
+            "--resume", "--hold", f"14:{release}"]
     with LighthouseServer(bind="127.0.0.1:0", min_replicas=3, join_timeout_ms=5000, http_bind=None) as lighthouse:
         gs = [LedgerGroup(processes, tmp_path, g, 3, lighthouse.address(), args, worker=FABRIC_LEDGER)
               for g in range(3)]
@@ -130,12 +131,13 @@ def test_fabric_every_group_killed_at_once_resumes_from_fabric_save(processes, t
             for g in gs:
                 g.start()
             deadline = time.monotonic() + 80
-            while not all(os.path.exists(f"{ckpt}.g{g.group}") and g.outcomes() >= 14 for g in gs):
+            while not all(os.path.exists(f"{ckpt}.g{g.group}") and g.last_step() >= 14 for g in gs):
                 assert time.monotonic() < deadline, "no fabric.save written: " + gs[0].output()[-3000:]
                 assert all(g.proc.poll() is None for g in gs), [g.output()[-2000:] for g in gs]
                 time.sleep(0.1)
             for g in gs:
                 g.kill()
+            release.touch()  # the restarted incarnations pass step 14
             saved = {g.group: torch.load(f"{ckpt}.g{g.group}", weights_only=True) for g in gs}
             for g in gs:
                 g.start()
