@@ -21,22 +21,17 @@ import torch
 torch.set_num_threads(1)
 
 import lightning.pytorch as pl
+from _worker_faults import hold, kill_in_reduction
 from torch.utils.data import DataLoader, TensorDataset
 
 import ft_lightning  # noqa: F401  (registers "fault_tolerant_ddp", as a user script would)
 from ft_core.manager import Manager
 
 ALLREDUCES = [0]
-KILL_IN_REDUCTION_AT = [None]  # --kill-in-reduction-at-step
 _original_allreduce = Manager._allreduce_future
 
 
 def _counted_allreduce(self, tensor, reduce_op=torch.distributed.ReduceOp.AVG, **kw):  # type: ignore[no-untyped-def]
-    if KILL_IN_REDUCTION_AT[0] is not None and self.current_step() >= KILL_IN_REDUCTION_AT[0] \
-            and self.num_participants() == 3:  # a step every group takes part in
-        time.sleep(0.05)  # the peers' reductions of this step are in flight, waiting for ours: it never comes
-        print(f"SIGKILL self in the reduction of step {self.current_step()}", flush=True)
-        os.kill(os.getpid(), 9)
     ALLREDUCES[0] += 1
     return _original_allreduce(self, tensor, reduce_op, **kw)
 
@@ -133,12 +128,7 @@ class Recorder(pl.Callback):
                 "batches_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
-        for hold in self.args.hold:
-            step, _, name = hold.partition(":")
-            if trainer.global_step == int(step):
-                deadline = time.monotonic() + 90  # until the test writes <out>/<name>
-                while not os.path.exists(os.path.join(self.args.out, name)) and time.monotonic() < deadline:
-                    time.sleep(0.02)
+        hold(self.args.hold, trainer.global_step)
         if batch_idx % trainer.accumulate_grad_batches == 0:
             self.before = self._state(trainer)
             if self.failed_step is not None and "before" in self.failed_step and self.failed_step["after"] is None:
@@ -197,14 +187,15 @@ def main() -> None:
     parser.add_argument("--kill-at-step", type=int, default=None)
     parser.add_argument("--log-sync", action="store_true", help="self.log(train_loss, sync_dist=True) every step")
     parser.add_argument("--hold", action="append", default=[], metavar="STEP:FILE",
-                        help="before optimizer step STEP, wait (at most 90 s) until the test writes <out>/FILE")
+                        help="before optimizer step STEP, wait (at most 90 s) until FILE exists")
     parser.add_argument("--kill-in-reduction-at-step", type=int, default=None,
                         help="SIGKILL self instead of issuing the cross-group reduction of this Manager step (or the "
                              "first after it that 3 groups take part in)")
     parser.add_argument("--checkpoint", action="store_true")
     parser.add_argument("--machine-dir", default=None, help="this group's own checkpoint root (another machine's disk)")
     args = parser.parse_args()
-    KILL_IN_REDUCTION_AT[0] = args.kill_in_reduction_at_step
+    if args.kill_in_reduction_at_step is not None:
+        kill_in_reduction(args.kill_in_reduction_at_step, groups=3)  # a step every group takes part in
 
     events = EventCounter()
     events_logger = logging.getLogger("ft_core.events")

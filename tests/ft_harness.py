@@ -179,6 +179,12 @@ def wait_until(predicate: Any, timeout: float, what: str, groups: list[Group] | 
     raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{tails}")
 
 
+def healthy_members(lighthouse: Any, prefix: str) -> set[str]:
+    """The replica ids starting with `prefix` that an in-process LighthouseServer sees heartbeat."""
+    return {m["replica_id"] for m in lighthouse.core.status()["members"]
+            if m["replica_id"].startswith(prefix) and m.get("healthy")}
+
+
 def stop_all(groups: list[Group], extra_steps: int = 3, timeout: float = 60) -> int:
     """Ask every group to stop at (highest committed step + extra_steps); wait for clean exits."""
     target = max(g.last_step() for g in groups) + extra_steps

@@ -15,7 +15,7 @@ import time
 
 import pytest
 from conftest import REPO_ROOT, SLOW
-from ft_harness import read_jsonl, wait_until
+from ft_harness import healthy_members, read_jsonl, wait_until
 from test_data_ledger import LedgerGroup, check_ledger, read_ledgers
 from test_data_ledger import run_with_kills as ledger_run_with_kills
 
@@ -216,8 +216,7 @@ def test_a_group_killed_mid_reduction_costs_the_accelerate_survivors_no_step(pro
             g.start()
         victim.start(["--kill-in-reduction-at-step", "5"])
         def members(group: int) -> set[str]:
-            return {m["replica_id"] for m in lighthouse.core.status()["members"]
-                    if m["replica_id"].startswith(f"{group}:") and m.get("healthy")}
+            return healthy_members(lighthouse, f"{group}:")
 
         def group_2_members() -> set[str]:
             return members(2)

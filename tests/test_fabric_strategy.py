@@ -12,7 +12,7 @@ import subprocess
 import pytest
 import torch
 from conftest import REPO_ROOT, child_env
-from ft_harness import wait_until
+from ft_harness import healthy_members, wait_until
 
 WORKER = os.path.join(REPO_ROOT, "tests", "_fabric_worker.py")
 
@@ -69,8 +69,7 @@ def test_a_group_killed_mid_reduction_costs_the_fabric_survivors_no_step(process
         # The survivors hold before step 2 until every group is up (all three then take part), and before step 15
         # until the restarted group 2 is up (so they do not finish without it).
         def members(group: int) -> set[str]:
-            return {m["replica_id"] for m in lighthouse.core.status()["members"]
-                    if m["replica_id"].split(":")[0] == f"replica_group_{group}" and m.get("healthy")}
+            return healthy_members(lighthouse, f"replica_group_{group}:")
 
         def group_2_members() -> set[str]:
             return members(2)

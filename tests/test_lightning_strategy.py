@@ -411,7 +411,8 @@ def test_a_group_killed_mid_reduction_costs_the_lightning_survivors_no_step(proc
     args = ("--epochs", "2", "--samples", "96", "--sleep", "0.02", *extra)
     # The survivors hold before step 2 until every group trains (all three then take part from about step 3 on),
     # and before step 12 until the restarted group 2 trains (so they do not finish without it).
-    survivors = [start_group(processes, lighthouse, tmp_path, g, *args, "--hold", "2:joined", "--hold", "12:release",
+    survivors = [start_group(processes, lighthouse, tmp_path, g, *args, "--hold", f"2:{tmp_path / 'joined'}",
+                             "--hold", f"12:{tmp_path / 'release'}",
                              groups=3) for g in (0, 1)]
     victim = start_group(processes, lighthouse, tmp_path, 2, *args, "--kill-in-reduction-at-step", "5", groups=3)
     wait_until(lambda: all(list(tmp_path.glob(f"train_started_g{g}_*")) for g in range(3)), 90, "every group's start")
