@@ -30,6 +30,7 @@ from torch import nn, optim
 
 from ft_core.checkpointing.dtensor_wire import is_dtensor
 from ft_core.ddp import register_reductions
+from ft_core.managed_work import allreduce_kept
 
 if TYPE_CHECKING:
     from ft_core.manager import Manager
@@ -66,9 +67,11 @@ def allreduce_tensors(manager: "Manager", tensors: list[torch.Tensor], *, bucket
     With `bucket_cap_bytes`, tensors of one dtype and device are packed into flat buffers of at
     most that size (a larger tensor goes alone), one allreduce per buffer; else one per tensor.
     Never raises for communication errors: the Manager records them and the step will not commit.
+    Each input is kept (a copy, `keep_input`): a peer lost mid-reduction is redone without it
+    (ft_core.redo), and nothing else could rebuild it once the local parameters moved on.
     """
     if bucket_cap_bytes is None:
-        works = [manager.allreduce(t) for t in tensors]
+        works = [allreduce_kept(manager, t) for t in tensors]
 
         def wait_each() -> None:
             for work in works:
@@ -91,7 +94,7 @@ def allreduce_tensors(manager: "Manager", tensors: list[torch.Tensor], *, bucket
     pending = []
     for members in buckets:
         flat = torch.cat([t.reshape(-1) for t in members])
-        pending.append((manager.allreduce(flat), flat, members))
+        pending.append((allreduce_kept(manager, flat), flat, members))
 
     def wait_buckets() -> None:
         for work, flat, members in pending:

@@ -39,6 +39,7 @@ from ft_core.checkpointing.dtensor_wire import is_dtensor
 from ft_core.ddp import register_reductions
 from ft_core.diloco import DiLoCoFragment, extract_local_tensor
 from ft_core.errors import ConfigError
+from ft_core.managed_work import allreduce_kept
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -126,7 +127,7 @@ class LocalSGD:
     def _perform_sync(self) -> None:
         params = list(self._model.parameters())
         averaged = [extract_local_tensor(p) for p in params]
-        works = [self._manager.allreduce(t) for t in averaged]
+        works = [allreduce_kept(self._manager, t) for t in averaged]  # kept: a lost peer's sync is redone
         for work in works:
             work.wait()
         if self._manager.should_commit():

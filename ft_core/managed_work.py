@@ -14,6 +14,7 @@ orders the caller's current stream after them: the result can be read with no sy
 
 from __future__ import annotations
 
+import inspect
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -129,3 +130,19 @@ class ManagedFuture(torch.futures.Future):
     def done(self) -> bool:
         return self._work.is_completed()
 
+
+def allreduce_kept(manager: Any, tensor: torch.Tensor, reduce_op: dist.ReduceOp = dist.ReduceOp.AVG) -> Any:
+    """`manager.allreduce(tensor, reduce_op, keep_input=True)`, for an input its caller cannot rebuild: a peer
+    lost mid-reduction then cannot cost the step (ft_core.redo). A wrapped allreduce with torchft's signature
+    (no keep_input) is called without it."""
+    if _takes(manager.allreduce, "keep_input"):
+        return manager.allreduce(tensor, reduce_op, keep_input=True)
+    return manager.allreduce(tensor, reduce_op)
+
+
+def _takes(fn: Callable[..., Any], name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())

@@ -81,8 +81,7 @@ class Manager:
         self._state = rules.StepState()
         self._errored: Exception | None = None
         self._error_lock = threading.Lock()
-        self._pg_broken = False
-        self._healing = False
+        self._pg_broken = self._healing = self._closed = False
         self._heal: FetchedHeal | None = None  # this step's fetched state: loaded at commit, adopted if committed
         self._beside: concurrent.futures.Future | None = None  # this step's staging or heal, run beside it
         self._beside_token = object()
@@ -95,7 +94,6 @@ class Manager:
         self._round: rules.QuorumActions | None = None  # this step's role, from the quorum
         self._quorum_future: concurrent.futures.Future | None = None
         self._quorum_timeout_s = cfg.quorum_timeout.total_seconds()
-        self._closed = False
         self._server: Any = None
         self._client: Any = None
         self._store: Any = None
@@ -340,28 +338,30 @@ class Manager:
 
     # ----------------------------------------------------------------- collectives
 
-    def allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp = ReduceOp.AVG,
-                  should_quantize: bool = False, *, divided_by: int | None = None) -> ManagedWork:
+    def allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp = ReduceOp.AVG, should_quantize: bool = False, *,
+                  divided_by: int | None = None, keep_input: bool = False) -> ManagedWork:
         """In-place allreduce across replica groups; AVG divides by num_participants. Never raises for
         communication errors (they are recorded and the step will not commit); raises ConfigError for
         an op without an identity and for an allreduce after this step's should_commit().
         `divided_by` (AVG only): `tensor` already holds this group's contribution divided by that many
         groups (ft_core.ddp.backward_scale), so the average only sums, rescaling if a redo changed the count.
+        `keep_input`: copy the input first, so a peer lost mid-reduction cannot cost the step (ft_core.redo).
         `should_quantize` (torchft's) is accepted and ignored with a warning: there is no quantized path."""
         if should_quantize:
             logger.warning("should_quantize=True is ignored: the allreduce is sent in full precision")
         rules.check_reduce_op(reduce_op, tensor.dtype, divided_by)
-        return ManagedWork(self, self._allreduce_future(tensor, reduce_op, divided_by=divided_by), tensor)
+        fut = self._allreduce_future(tensor, reduce_op, divided_by=divided_by, keep_input=keep_input)
+        return ManagedWork(self, fut, tensor)
 
     def _allreduce_future(self, tensor: torch.Tensor, reduce_op: ReduceOp = ReduceOp.AVG, *,
-                          divided_by: int | None = None) -> torch.futures.Future:
+                          divided_by: int | None = None, keep_input: bool = False) -> torch.futures.Future:
         """One of this step's cross-group reductions (what allreduce and the DDP comm hook issue)."""
         if self._voted:
             raise ConfigError(f"{self._prefix()} allreduce after should_commit() in the same step: no vote would "
                               f"see it fail, so groups could apply different updates. Start the next step first "
                               f"(manager.start_quorum() or OptimizerWrapper.zero_grad()), one vote per optimizer step")
         self._reductions += 1
-        return redo.issue(self, tensor, reduce_op, divided_by)  # at the wait: done after any redo of the step
+        return redo.issue(self, tensor, reduce_op, divided_by, keep_input)  # at the wait: done after any redo
 
     def on_redo(self, tensor: torch.Tensor, write: Callable[[], None],
                 restore: Callable[[], bool] | None = None) -> None:

@@ -30,6 +30,9 @@ What can be redone (the copy policy):
   forward pass or mid-reduction. Not redone in this mode: a reduction that completed with the dead
   peer before another failed, a failed one that nothing can rebuild (a user `manager.allreduce`), a
   timeout.
+- `Manager.allreduce(..., keep_input=True)`: that reduction's input is copied before it is sent, for a
+  caller that cannot rebuild it (ft_core.diloco's pseudo-gradients, ft_core.local_sgd's parameters and a
+  value Lightning logs with sync_dist): one copy of that tensor, in a buffer reused every step.
 - `FT_REDO_COPY=1`: every reduction's input is copied before it is sent, so those are redoable too.
   Memory bound: one extra copy of everything reduced across groups in one step (the gradients: the
   model's trainable parameter bytes, per rank), in buffers reused every step; cost: one memcpy of the
@@ -147,11 +150,12 @@ class ReductionLog:
         self.quorum_ids, self.quorum_id = (), 0  # until this step's quorum: no redo names an earlier attempt
 
     def record(self, tensor: torch.Tensor, op: ReduceOp, broken: bool,
-               divided_by: int | None = None) -> Reduction | None:
-        """A reduction being issued (None when redo is off). A copy is kept only when it will be sent."""
+               divided_by: int | None = None, keep: bool = False) -> Reduction | None:
+        """A reduction being issued (None when redo is off). A copy is kept (copy mode, or `keep`: its caller
+        can rebuild the input from nothing else) only when it will be sent."""
         if not self.config.enabled:
             return None
-        saved = self._copy(len(self.records), tensor) if self.config.copy and not broken else None
+        saved = self._copy(len(self.records), tensor) if (self.config.copy or keep) and not broken else None
         rec = Reduction(tensor, op, divided_by, saved)
         self.records.append(rec)
         return rec
@@ -190,12 +194,14 @@ class ReductionLog:
 
 # ---- redo at the wait (groups of one rank) -----------------------------------------------------------
 
-def issue(m: "Manager", tensor: torch.Tensor, op: ReduceOp, divided_by: int | None = None) -> torch.futures.Future:
-    """Issue one of this step's cross-group reductions. At the wait, the future returned completes once
-    the value is final: if the step lost a peer, after the redo reduced it again without the peer."""
+def issue(m: "Manager", tensor: torch.Tensor, op: ReduceOp, divided_by: int | None = None,
+          keep: bool = False) -> torch.futures.Future:
+    """Issue one of this step's cross-group reductions (`keep`: copy its input, as copy mode does for all).
+    At the wait, the future returned completes once the value is final: if the step lost a peer, after the
+    redo reduced it again without the peer."""
     log = m._redo
     if not log.config.at_wait:
-        return m._reduce(tensor, op, log.record(tensor, op, m._pg_broken, divided_by), divided_by=divided_by)
+        return m._reduce(tensor, op, log.record(tensor, op, m._pg_broken, divided_by, keep), divided_by=divided_by)
     try:
         m.wait_quorum()
         ready = True
@@ -203,7 +209,7 @@ def issue(m: "Manager", tensor: torch.Tensor, op: ReduceOp, divided_by: int | No
         ready = False
         log.other_errors = True
     with log.lock:
-        rec = log.record(tensor, op, m._pg_broken, divided_by)
+        rec = log.record(tensor, op, m._pg_broken, divided_by, keep)
         assert rec is not None
         rec.out = ft_futures.device_future(ft_futures.devices_of(tensor))
         if log.state is WaitState.PENDING:  # the redo issues it after the ones before it

@@ -54,6 +54,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 
 from ft_core import futures as ft_futures
 from ft_core import settings as ft_settings
+from ft_core.managed_work import allreduce_kept
 
 logger = logging.getLogger(__name__)
 
@@ -252,16 +253,10 @@ class LiveQuorum:
     # ---- inside a step: part of the step's reductions ------------------------------------------
 
     def _managed(self, tensor: torch.Tensor, op: str) -> torch.Tensor | None:
-        source = tensor.detach().clone()  # the input, kept: a redo (ft_core.redo) reduces it again
+        source = tensor.detach()
         work = source.double() if op == "mean" and not source.is_floating_point() else source.clone()
-
-        def restore() -> bool:
-            work.copy_(source)
-            return True
-
         try:
-            pending = self._manager.allreduce(work, _OPS[op])
-            self._manager.on_redo(work, lambda: None, restore)
+            pending = allreduce_kept(self._manager, work, _OPS[op])  # kept: a redo (ft_core.redo) reduces it again
             pending.wait()
         except Exception as exc:  # noqa: BLE001 - any failure: the local answer (the step fails on its own)
             self._fallback(f"the step's reduction raised {exc!r}")

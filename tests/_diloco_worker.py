@@ -1,9 +1,12 @@
-"""One replica group of Streaming DiLoCo as a process, for tests/test_diloco_processes.py.
+"""One replica group of Streaming DiLoCo (or, with --local-sgd, LocalSGD) as a process, for
+tests/test_diloco_processes.py.
 
 Trains a small MLP (two fragments) on per-group synthetic data; after each fragment sync appends
 {"step", "committed"} to --log. A test arms a SIGKILL by writing a point into --kill-file:
-"inner" (after an inner step), "sync" (pseudo-gradient allreduce in flight, before the vote) or
-"heal" (this group's quorum says it heals: killed before fetching). Once --stop-file holds a step
+"inner" (after an inner step), "sync" (pseudo-gradient allreduce in flight, before the vote),
+"reduction" (instead of issuing this group's first pseudo-gradient reduction of a sync all three
+groups take part in, while the peers' are in flight) or "heal" (this group's quorum says it heals:
+killed before fetching). Every redo the Manager reports is printed as a line `redo {event}`. Once --stop-file holds a step
 number, the group stops after the sync that reaches it and writes --final: its step, global
 copies and outer optimizer state (exact values, to compare across groups).
 """
@@ -21,7 +24,7 @@ from datetime import timedelta
 import torch
 from torch import nn
 
-from ft_core.local_sgd import DiLoCo
+from ft_core.local_sgd import DiLoCo, LocalSGD
 from ft_core.manager import Manager
 from ft_core.process_groups import ProcessGroupGloo
 
@@ -49,6 +52,21 @@ class KillOnHeal(logging.Handler):
         event = getattr(record, "ft_event", None)
         if event and event.get("type") == "quorum" and event.get("heal"):
             die_if_armed(self.path, "heal")
+        if event and event.get("type") == "redo":
+            print("redo " + json.dumps(event, default=str), flush=True)
+
+
+def kill_in_reduction(path: str) -> None:
+    """Arm the "reduction" point: SIGKILL instead of issuing a reduction of a sync 3 groups take part in."""
+    issue = Manager._allreduce_future
+
+    def or_die(self, tensor, *a, **kw):  # type: ignore[no-untyped-def]
+        if self.num_participants() == 3 and armed(path, "reduction"):
+            time.sleep(0.05)  # the peers' reductions of this sync are in flight, waiting for ours: it never comes
+            die_if_armed(path, "reduction")
+        return issue(self, tensor, *a, **kw)
+
+    Manager._allreduce_future = or_die
 
 
 def stop_step(path: str) -> int | None:
@@ -72,11 +90,13 @@ def main() -> None:
     p.add_argument("--delay", type=int, default=1)
     p.add_argument("--alpha", type=float, default=0.5)
     p.add_argument("--step-sleep", type=float, default=0.03)
+    p.add_argument("--local-sgd", action="store_true", help="LocalSGD (the parameters averaged) instead of DiLoCo")
     args = p.parse_args()
     torch.set_num_threads(1)
     events = logging.getLogger("ft_core.events")
     events.setLevel(logging.INFO)
     events.addHandler(KillOnHeal(args.kill_file))
+    kill_in_reduction(args.kill_file)
 
     torch.manual_seed(0)  # the same initial model in every group (a restarted one too)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -92,17 +112,24 @@ def main() -> None:
                                                          inner.load_state_dict(s["inner"])),
                                    lambda: {"model": model.state_dict(), "inner": inner.state_dict()})
     rng = torch.Generator().manual_seed(1000 + sum(map(ord, args.replica_id)))
-    diloco = DiLoCo(manager, fragments, inner, outers, sync_every=args.sync_every,
-                    fragment_sync_delay=args.delay, fragment_update_alpha=args.alpha)
-    orig_prepare = [f.prepare_sync for f in diloco.fragments]
-    for f, prepare in zip(diloco.fragments, orig_prepare):
-        def prepared(prepare=prepare) -> None:
-            prepare()
-            die_if_armed(args.kill_file, "sync")
-        f.prepare_sync = prepared
-    with open(args.log, "a") as log, diloco:
+    if args.local_sgd:
+        algorithm: DiLoCo | LocalSGD = LocalSGD(manager, model, inner, sync_every=args.sync_every)
+        inner_steps = [0]
+        inner.register_step_post_hook(lambda *_: inner_steps.__setitem__(0, inner_steps[0] + 1))
+        cycle_start = lambda: inner_steps[0] % args.sync_every == 0  # noqa: E731
+    else:
+        algorithm = diloco = DiLoCo(manager, fragments, inner, outers, sync_every=args.sync_every,
+                                    fragment_sync_delay=args.delay, fragment_update_alpha=args.alpha)
+        cycle_start = lambda: diloco.local_step == 0  # noqa: E731
+        orig_prepare = [f.prepare_sync for f in diloco.fragments]
+        for f, prepare in zip(diloco.fragments, orig_prepare):
+            def prepared(prepare=prepare) -> None:
+                prepare()
+                die_if_armed(args.kill_file, "sync")
+            f.prepare_sync = prepared
+    with open(args.log, "a") as log, algorithm:
         while True:
-            if diloco.local_step == 0:
+            if cycle_start():
                 target = stop_step(args.stop_file)
                 if target is not None and manager.current_step() >= target:
                     break
@@ -113,13 +140,14 @@ def main() -> None:
             before = manager.current_step()
             inner.step()  # DiLoCo's hook prepares / syncs a fragment when it is due
             die_if_armed(args.kill_file, "inner")
-            if diloco.local_step == 0:
+            if cycle_start():
                 log.write(json.dumps({"step": manager.current_step(), "committed": manager.current_step() > before})
                           + "\n")
                 log.flush()
             time.sleep(args.step_sleep)
     state = manager.healing_state()["user"]
-    final = {"step": manager.current_step(), "fragments": {}}
+    final = {"step": manager.current_step(), "fragments": {},
+             "model": {n: t.tolist() for n, t in model.state_dict().items()} if args.local_sgd else {}}
     for key, value in state.items():
         if key.startswith("StreamingDiLoCoFragment_"):
             final["fragments"][key] = {

@@ -33,6 +33,7 @@ class Worker:
         return os.path.join(self.workdir, f"g{self.gid}.kill")
 
     fragments = 2
+    local_sgd = False
 
     def start(self, arm: str | None = None) -> None:
         self.incarnation += 1
@@ -44,7 +45,8 @@ class Worker:
         self.proc = self.processes.python(
             WORKER, "--lighthouse", self.lighthouse, "--replica-id", f"g{self.gid}", "--log", self.file("log"),
             "--final", self.file("final.json"), "--kill-file", self.kill_file,
-            "--stop-file", os.path.join(self.workdir, "stop"), "--fragments", str(self.fragments), env=child_env(),
+            "--stop-file", os.path.join(self.workdir, "stop"), "--fragments", str(self.fragments),
+            *(["--local-sgd"] if self.local_sgd else []), env=child_env(),
             stdout=out, stderr=subprocess.STDOUT)
 
     def arm(self, point: str) -> None:
@@ -138,3 +140,45 @@ def test_diloco_survives_sigkills_and_heals_identical(processes, tmp_path, fragm
     # the survivor (never killed) committed nearly every sync itself (it may heal after a sync that
     # failed only on its side)
     assert sum(row["committed"] for row in g0.syncs()) >= target // 2
+
+
+@pytest.mark.timeout(110)
+@pytest.mark.parametrize("local_sgd", [False, True], ids=["streaming-diloco", "local-sgd"])
+def test_a_group_killed_mid_sync_costs_the_survivors_no_sync(processes, tmp_path, local_sgd):
+    """3 groups: g2 is SIGKILLed instead of issuing its first reduction of a sync all three take part in
+    (DiLoCo's pseudo-gradients, LocalSGD's parameters), while the survivors' reductions of it are in flight.
+    Both keep each input they send (`keep_input`), so the survivors redo the reduction without g2 and commit
+    that sync: one replayed redo each and no sync left uncommitted. g2 restarts and heals; at the end all
+    three hold identical state (DiLoCo: global copies and outer optimizer state; LocalSGD: the model). Until
+    2026-12-07 nothing kept the inputs (DiLoCo's local parameters had moved on), so the survivors lost the
+    sync unless FT_REDO_COPY=1."""
+    with LighthouseServer(min_replicas=2, join_timeout_ms=1000) as lighthouse:
+        workers = [Worker(processes, str(tmp_path), g, lighthouse.address()) for g in range(3)]
+        for w in workers:
+            w.local_sgd = local_sgd
+            w.start()
+        wait_until(lambda: all(w.commits() >= 2 for w in workers), 60, "every group syncing", workers)
+        g0, g1, g2 = workers
+        g2.arm("reduction")
+        kill_and_check(g2, "reduction", workers)
+        g2.start()
+        wait_until(lambda: g2.commits() >= 2, 40, "g2 to heal and sync", workers)
+        target = max(w.step() for w in workers) + 4
+        with open(os.path.join(str(tmp_path), "stop.tmp"), "w") as f:
+            f.write(str(target))
+        os.replace(os.path.join(str(tmp_path), "stop.tmp"), os.path.join(str(tmp_path), "stop"))
+        for w in workers:
+            assert w.wait_exit(40) == 0, w.output()[-3000:]
+
+    finals = []
+    for w in workers:
+        with open(w.file("final.json")) as f:
+            finals.append(json.load(f))
+    assert [f["step"] for f in finals] == [target] * 3
+    assert finals[1] == finals[0] and finals[2] == finals[0]
+    for w in (g0, g1):
+        out = w.output()
+        redos = [json.loads(line[len("redo "):]) for line in out.splitlines() if line.startswith("redo {")]
+        assert [r["outcome"] for r in redos] == ["replayed"], out[-3000:]
+        assert "not committed" not in out, out[-3000:]
+        assert all(row["committed"] for row in w.syncs()), w.syncs()

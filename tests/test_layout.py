@@ -33,6 +33,8 @@ PUBLIC_API: dict[str, frozenset[str] | None] = {
     "ft_core.errors": None,
     "ft_core.settings": None,
     "ft_core.futures": None,
+    # an integration's reduction whose input it cannot rebuild keeps a copy, so a redo can send it again
+    "ft_core.managed_work": frozenset({"allreduce_kept"}),
     "ft_core.net": None,
     "ft_core.metrics": None,  # per-group Prometheus metrics from the Manager's events
     "ft_core.process_groups": None,  # the package, not its modules
