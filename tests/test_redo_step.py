@@ -242,13 +242,15 @@ def test_a_group_killed_in_the_survivors_forward_pass_costs_them_no_step(process
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("env, extra", [({}, []), ({"FT_REDO_COPY": "1"}, []), ({}, ["--plain-backward"])],
-                         ids=["inputs-rebuilt-from-grads", "copies-kept", "plain-backward"])
+@pytest.mark.parametrize("env, extra", [({}, []), ({"FT_REDO_COPY": "1"}, []), ({}, ["--plain-backward"]),
+                                        ({"FT_ASYNC_QUORUM": "0"}, [])],
+                         ids=["inputs-rebuilt-from-grads", "copies-kept", "plain-backward", "sync-quorum"])
 def test_a_group_killed_mid_reduction_costs_the_survivors_no_step(processes, tmp_path, env, extra) -> None:
     """The survivors' reductions were in flight with the dead group when it died. Default: the DDP hook
     rebuilds each failed chunk from the gradients DDP has not overwritten yet; FT_REDO_COPY=1: the
     copies are redone. The redone gradients are the two survivors' mean, whether the loss was divided
-    for three groups before backward (ddp.backward: the redo rescales by 3/2) or not (loss.backward())."""
+    for three groups before backward (ddp.backward: the redo rescales by 3/2) or not (loss.backward()).
+    The same with a synchronous quorum (the step's quorum done before its forward pass)."""
     job, kill_step = run_kill(processes, tmp_path, "allreduce", hold=False, env=env, extra=extra)
     assert_no_step_lost(job, kill_step)
     assert_reduced_is_the_participants_mean(job, kill_step)
