@@ -7,6 +7,9 @@ comes from the route toward the lighthouse; Gloo, the heartbeat streams and the 
   steps"), as on loopback.
 - A group lost after the step's reductions completed: the survivors keep the values they hold and commit
   the step with 3 participants (the kept-values rule, 19182c5), as on loopback.
+- Groups of two ranks (each group's store served on its own host): a group lost after the gradients'
+  reductions is kept by both ranks of each survivor (the kept-values rule); lost before the loss's
+  reduction, with FT_REDO_STEP=1 and copies, each survivor group redoes the step at the vote.
 - A host cut while its group's reduction is awaited: nothing resets a connection, the survivors' reduction
   waits until the lighthouse's heartbeat deadline (2 s) expires the cut group and the notice of its loss
   aborts it; they redo the step without it and lose none. The cut group, its host restored, fails that
@@ -19,9 +22,11 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from typing import Any
 
 import pytest
+from conftest import child_env
 from test_push_failures import lighthouse_on_host_0
 from test_redo_step import (
     SURVIVORS,
@@ -31,6 +36,8 @@ from test_redo_step import (
     assert_kept_with_the_dead_group_s_contribution,
     assert_no_step_lost,
     assert_reduced_is_the_participants_mean,
+    assert_two_ranks_failed_or_redid,
+    assert_two_ranks_kept,
     disarm,
     kill_and_restart,
     start_and_arm,
@@ -50,12 +57,43 @@ class OnHost:
         return self.hosts.spawn(self.host, args, env=clean, **kwargs)
 
 
-def job_on_hosts(simulated_hosts: Any, tmp_path: Any, env: dict[str, str], extra: list[str] | None = None):
-    """(hosts, job): the lighthouse on h0 (heartbeat deadline 2 s), group g on h(g+1)."""
+# A group's TCPStore for its ranks, served inside its host (its loopback is the host's own): the port goes to a file.
+SERVE_STORE = """import os, sys, time
+from datetime import timedelta
+from ft_core.stores import own_store
+store = own_store("127.0.0.1", timedelta(seconds=30))
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(str(store.port))
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(600)
+"""
+
+
+def store_on_host(hosts: Any, host: Any, workdir: str) -> Any:
+    """What serves each new incarnation of a group a store on `host`: g -> its address there."""
+    served = [0]
+
+    def serve(g: int) -> str:
+        served[0] += 1
+        portfile = os.path.join(workdir, f"store.g{g}.{served[0]}.port")
+        hosts.python(host, "-c", SERVE_STORE, portfile, env=child_env())
+        deadline = time.monotonic() + 30
+        while not os.path.exists(portfile):
+            assert time.monotonic() < deadline, f"no store served on {host} within 30 s"
+            time.sleep(0.05)
+        with open(portfile) as f:
+            return f"127.0.0.1:{f.read()}"
+    return serve
+
+
+def job_on_hosts(simulated_hosts: Any, tmp_path: Any, env: dict[str, str], extra: list[str] | None = None,
+                 ranks: int = 1):
+    """(hosts, job): the lighthouse on h0 (heartbeat deadline 2 s), group g (all its ranks) on h(g+1)."""
     hosts = simulated_hosts(4)
     lighthouse = lighthouse_on_host_0(hosts, tmp_path)
-    job = Job(None, str(tmp_path), lighthouse, env, extra or [],
-              place=lambda g: OnHost(hosts, hosts[1 + g], env))
+    stores = [store_on_host(hosts, hosts[1 + g], str(tmp_path)) for g in range(3)]
+    job = Job(None, str(tmp_path), lighthouse, env, extra or [], ranks,
+              place=lambda g: OnHost(hosts, hosts[1 + g], env), serve_store=lambda g: stores[g](g))
     return hosts, job
 
 
@@ -75,6 +113,21 @@ def test_on_simulated_hosts_a_group_lost_after_the_step_s_reductions_completed_c
         simulated_hosts, tmp_path) -> None:
     _, job = job_on_hosts(simulated_hosts, tmp_path, {})
     assert_kept_with_the_dead_group_s_contribution(job, kill_and_restart(job, "reduced", hold=False, hold_vote=True))
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("env", [{}, {"FT_REDO_STEP": "1", "FT_REDO_COPY": "1"}], ids=["kept", "redo-at-vote"])
+def test_on_simulated_hosts_groups_of_two_ranks_keep_or_redo_a_step_whose_peer_was_lost(simulated_hosts, tmp_path,
+                                                                                        env) -> None:
+    """kept: the loss lands after the gradients' reductions and before the vote; both ranks of each survivor
+    keep the values (3 participants). redo-at-vote: it lands before the loop's loss reduction
+    (--read-reduced), so the step cannot keep its values; every survivor rank redoes it at the vote."""
+    _, job = job_on_hosts(simulated_hosts, tmp_path, env, ["--read-reduced"] if env else [], ranks=2)
+    kill_step = kill_and_restart(job, "reduced", hold=False, hold_vote=True)
+    if env:
+        assert_two_ranks_failed_or_redid(job, kill_step, redo=True)
+    else:
+        assert_two_ranks_kept(job, kill_step)
 
 
 @pytest.mark.timeout(150)
