@@ -420,12 +420,11 @@ class DistributedSampler(torch.utils.data.distributed.DistributedSampler):
             return True
 
         own_vote()
-        work = manager.allreduce(votes, dist.ReduceOp.SUM)
         revote: list[Callable[[], None]] = []  # set once the outcome exists; a redo at the wait needs none
         on_redo = getattr(manager, "on_redo", None)  # a step redone without a lost peer re-sums the votes
-        if on_redo is not None:
-            on_redo(votes, lambda: revote[0]() if revote else None, own_vote)
-        work.wait()
+        if on_redo is not None:  # said before issuing: a failure right after it must find the restore
+            on_redo(votes, lambda: revote[0]() if revote else None, own_vote, next_reduction=True)
+        manager.allreduce(votes, dist.ReduceOp.SUM).wait()
         outcome = _Outcome(pos.step, n, tuple(int(v) > 0 for v in votes.tolist()[:n]),
                            None if drawn.stale else drawn.num_participants)
         with self._lock:

@@ -250,17 +250,17 @@ class _CanonicalReducer:
                 chunk.divided = 1.0 / self._intra_size
             if chunk.divided != 1.0:
                 tensor.mul_(chunk.divided)  # by the reciprocal, as DDP scales (cheaper than a division)
+        on_redo = getattr(self._manager, "on_redo", None)  # a redone step rewrites the gradients (ft_core.redo)
+        if on_redo is not None:  # said before issuing: a failure right after it must find the restore
+            on_redo(tensor, lambda chunk=chunk, tensor=tensor: self._rewrite_grads(chunk, tensor),
+                    (lambda chunk=chunk, tensor=tensor: self._restore_input(chunk, tensor)) if self.restorable
+                    else None, next_reduction=True)
         # the public call, so a wrapped or overridden Manager.allreduce is honoured; a ManagedWork's own
         # future completes eagerly (its get_future() defers continuations to wait())
         work = self._manager.allreduce(tensor, ReduceOp.AVG, divided_by=divided) if divided else \
             self._manager.allreduce(tensor, ReduceOp.AVG)
         fut = getattr(work, "_fut", None) or work.get_future()
         fut.add_done_callback(lambda _f, chunk=chunk: self._finish(chunk))
-        on_redo = getattr(self._manager, "on_redo", None)  # a redone step rewrites the gradients (ft_core.redo)
-        if on_redo is not None:
-            on_redo(tensor, lambda chunk=chunk, tensor=tensor: self._rewrite_grads(chunk, tensor),
-                    (lambda chunk=chunk, tensor=tensor: self._restore_input(chunk, tensor)) if self.restorable
-                    else None)
 
     def _restore_input(self, chunk: _Chunk, tensor: torch.Tensor) -> bool:
         """Refill `tensor` with the chunk's local gradients (divided as when first sent), to reduce it again

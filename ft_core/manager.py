@@ -363,12 +363,13 @@ class Manager:
         self._reductions += 1
         return redo.issue(self, tensor, reduce_op, divided_by, keep_input)  # at the wait: done after any redo
 
-    def on_redo(self, tensor: torch.Tensor, write: Callable[[], None],
-                restore: Callable[[], bool] | None = None) -> None:
-        """Run `write()` after a redo reduced `tensor` again (ft_core.redo): for integrations that copy a
-        reduced tensor elsewhere, as ft_core.ddp copies chunks into the gradients. `restore()` puts the
-        input back into `tensor` if the reduction fails (True when it could), so it can be redone."""
-        self._redo.on_redo(tensor, write, restore)
+    def on_redo(self, tensor: torch.Tensor, write: Callable[[], None], restore: Callable[[], bool] | None = None,
+                *, next_reduction: bool = False) -> None:
+        """Run `write()` after a redo reduced `tensor` again (ft_core.redo; ft_core.ddp copies chunks into the
+        gradients so), and `restore()` to put its input back if the reduction fails (True when it could), so it
+        can be redone. For its latest reduction this step, or with `next_reduction` the one issued next: say it
+        before issuing, so a failure right after issuing finds it."""
+        self._redo.on_redo(tensor, write, restore, next_reduction)
 
     def _reduce(self, tensor: torch.Tensor, reduce_op: ReduceOp, rec: redo.Reduction | None = None, wait: bool = True,
                 out: torch.futures.Future | None = None, divided_by: int | None = None) -> torch.futures.Future:

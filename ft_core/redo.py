@@ -137,9 +137,11 @@ class ReductionLog:
         self.state = WaitState.IDLE
         self.lock = threading.RLock()  # at the wait: records, state and deliveries
         self._pool: list[torch.Tensor] = []  # copy mode: the step's input copies, reused every step
+        self._ahead: list[tuple[torch.Tensor, Callable[[], None], Callable[[], bool] | None]] = []  # on_redo's next
 
     def reset(self, allow_heal: bool) -> None:
         self.records = []
+        self._ahead = []
         self.redone = False
         self.other_errors = False
         self.allow_heal = allow_heal
@@ -157,6 +159,10 @@ class ReductionLog:
             return None
         saved = self._copy(len(self.records), tensor) if (self.config.copy or keep) and not broken else None
         rec = Reduction(tensor, op, divided_by, saved)
+        for ahead in [a for a in self._ahead if a[0] is tensor]:  # said before it was issued (on_redo)
+            self._ahead.remove(ahead)
+            rec.writers.append(ahead[1])
+            rec.restore = ahead[2] if rec.restore is None else rec.restore
         self.records.append(rec)
         return rec
 
@@ -174,9 +180,16 @@ class ReductionLog:
         return buf.copy_(tensor.detach())
 
     def on_redo(self, tensor: torch.Tensor, write: Callable[[], None],
-                restore: Callable[[], bool] | None = None) -> None:
-        """Run `write()` after a redo reduced `tensor` again (its latest reduction this step); `restore()`
-        rebuilds its input if the reduction fails (ft_core.ddp: from gradients DDP has not overwritten yet)."""
+                restore: Callable[[], bool] | None = None, next_reduction: bool = False) -> None:
+        """Run `write()` after a redo reduced `tensor` again (its latest reduction this step, or with
+        `next_reduction` the one `record` sees next); `restore()` rebuilds its input if the reduction fails
+        (ft_core.ddp: from gradients DDP has not overwritten yet). Said before the reduction is issued, it is
+        known when a failure right after issuing starts the redo; said after, the redo may have looked."""
+        if next_reduction:
+            if self.config.enabled:
+                with self.lock:
+                    self._ahead.append((tensor, write, restore))
+            return
         for rec in reversed(self.records):
             if rec.tensor is tensor:
                 rec.writers.append(write)

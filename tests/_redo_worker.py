@@ -17,6 +17,8 @@ ft_core DDP + OptimizerWrapper, AdamW, each group its own data. The test steers 
   first writes `reduced.g<N>.r<R>`, and a group whose kill is armed at `reduced` or `vote` dies only once
   every other group's ranks have (at most 20 s): a kill as soon as its own reductions completed could
   land while a slower survivor rank's were still in flight;
+- `<workdir>/slow_issue` holding `STEP`: in that step, every cross-group reduction returns to its caller
+  0.3 s after it was issued (as if the thread were preempted there);
 - `<workdir>/stop` holding `STEP`: stop there.
 
 With --ranks N the group has N ranks (one process each, --rank R, all meeting in the TCPStore the test
@@ -190,7 +192,11 @@ def main() -> int:
             deadline = time.monotonic() + 90
             while read(kill_file).startswith("stall") and time.monotonic() < deadline:
                 time.sleep(0.02)
-        return issue(tensor, *a, **kw)
+        work = issue(tensor, *a, **kw)
+        slow = read(os.path.join(args.workdir, "slow_issue"))
+        if slow and manager.current_step() == int(slow):
+            time.sleep(0.3)  # as if preempted right after issuing: the peer's loss lands before our next line
+        return work
 
     manager.allreduce = check_then_allreduce  # type: ignore[method-assign]
     gen = torch.Generator().manual_seed(1000 + args.group + 100 * args.rank)

@@ -127,7 +127,7 @@ def run_kill(processes: Any, tmp_path: Any, point: str, *, hold: bool, env: dict
         return job, kill_and_restart(job, point, hold=hold, hold_vote=hold_vote)
 
 
-def start_and_arm(job: Job, point: str, *, hold: bool, hold_vote: bool = False) -> int:
+def start_and_arm(job: Job, point: str, *, hold: bool, hold_vote: bool = False, slow_issue: bool = False) -> int:
     """Start every group, wait for them to commit, arm `point` in group 2 a few steps ahead; that step."""
     for g in range(3):
         job.start(g)
@@ -138,12 +138,14 @@ def start_and_arm(job: Job, point: str, *, hold: bool, hold_vote: bool = False) 
         write(os.path.join(job.workdir, "hold"), str(kill_step))
     if hold_vote:
         write(os.path.join(job.workdir, "hold_vote"), str(kill_step))
+    if slow_issue:
+        write(os.path.join(job.workdir, "slow_issue"), str(kill_step))
     write(os.path.join(job.workdir, f"g{VICTIM}.kill"), f"{point}:{kill_step}")
     return kill_step
 
 
 def disarm(job: Job) -> None:
-    for name in (f"g{VICTIM}.kill", "hold", "hold_vote"):  # not for the restarted incarnation
+    for name in (f"g{VICTIM}.kill", "hold", "hold_vote", "slow_issue"):  # not for the restarted incarnation
         if os.path.exists(os.path.join(job.workdir, name)):
             os.remove(os.path.join(job.workdir, name))
 
@@ -155,10 +157,10 @@ def stop_job(job: Job) -> None:
         assert proc.wait(timeout=60) == 0, f"group {g} rank {rank}:\n{job.output(g, rank)}"
 
 
-def kill_and_restart(job: Job, point: str, *, hold: bool, hold_vote: bool = False) -> int:
+def kill_and_restart(job: Job, point: str, *, hold: bool, hold_vote: bool = False, slow_issue: bool = False) -> int:
     """run_kill's steps on a job whose lighthouse is up: start it, kill group 2 at `point` of step S, restart
     it, let it heal, stop everyone; S."""
-    start_and_arm(job, point, hold=hold, hold_vote=hold_vote)
+    start_and_arm(job, point, hold=hold, hold_vote=hold_vote, slow_issue=slow_issue)
     for rank in range(job.ranks):
         assert job.procs[VICTIM, rank].wait(timeout=60) == -signal.SIGKILL, job.output(VICTIM, rank)
     kill_step = int(re.search(r"SIGKILL self at step (\d+)", job.output(VICTIM)).group(1))
@@ -258,6 +260,22 @@ def test_a_group_killed_mid_reduction_costs_the_survivors_no_step(processes, tmp
     job, kill_step = run_kill(processes, tmp_path, "allreduce", hold=False, env=env, extra=extra)
     assert_no_step_lost(job, kill_step)
     assert_reduced_is_the_participants_mean(job, kill_step)
+    assert_identical(job)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("extra", [[], ["--exactly-once"]], ids=["gradients", "the-sampler-s-votes"])
+def test_a_reduction_that_fails_before_its_caller_takes_the_next_line_is_still_redone(processes, tmp_path,
+                                                                                      extra) -> None:
+    """Each survivor's reductions of the step of the kill return to their caller 0.3 s after they were issued,
+    so the dead group's loss fails them before the caller's next line: the DDP hook (and the exactly-once
+    sampler, whose votes are the step's first reduction) must have said how to rebuild the input already.
+    Until 2026-12-07 they said it after issuing, the redo found nothing to rebuild the input from ("not
+    redoable") and the survivors lost the step."""
+    with LighthouseServer(min_replicas=1, join_timeout_ms=5000) as lighthouse:
+        job = Job(processes, str(tmp_path), lighthouse.address(), {}, extra)
+        kill_step = kill_and_restart(job, "allreduce", hold=False, slow_issue=True)
+    assert_no_step_lost(job, kill_step)
     assert_identical(job)
 
 
@@ -402,6 +420,23 @@ def test_with_redo_off_the_survivors_step_of_the_kill_fails_as_before(processes,
         assert failed == [kill_step], (failed, job.output(g))
         assert not [e for e in job.events(g) if e["type"] == "redo"]
     assert_identical(job)
+
+
+def test_what_is_said_before_a_reduction_is_issued_belongs_to_that_reduction_and_to_no_other() -> None:
+    log = ReductionLog(RedoConfig(at_wait=True, copy=False))
+    grad, votes = torch.arange(4.0), torch.zeros(3)
+    write, restore = (lambda: None), (lambda: True)
+    log.on_redo(grad, write, restore, next_reduction=True)
+    other = log.record(votes, ReduceOp.SUM, broken=False)
+    assert other.writers == [] and other.restore is None
+    rec = log.record(grad, ReduceOp.AVG, broken=False)
+    assert rec.writers == [write] and rec.restore is restore
+    assert log.record(grad, ReduceOp.AVG, broken=False).restore is None  # said once: for one reduction
+    log.on_redo(votes, write, restore, next_reduction=True)
+    log.reset(allow_heal=True)  # a step's registrations end with it
+    assert log.record(votes, ReduceOp.SUM, broken=False).restore is None
+    keep = log.record(grad, ReduceOp.AVG, broken=False, keep=True)  # keep_input: a copy of this one input
+    assert keep.saved is not None and torch.equal(keep.saved, grad) and keep.saved.data_ptr() != grad.data_ptr()
 
 
 def test_the_reduction_log_keeps_copies_only_of_what_is_sent_in_buffers_reused_every_step() -> None:
