@@ -14,6 +14,7 @@ orders the caller's current stream after them: the result can be read with no sy
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 from typing import TYPE_CHECKING, Any, Callable
@@ -135,11 +136,13 @@ def allreduce_kept(manager: Any, tensor: torch.Tensor, reduce_op: dist.ReduceOp 
     """`manager.allreduce(tensor, reduce_op, keep_input=True)`, for an input its caller cannot rebuild: a peer
     lost mid-reduction then cannot cost the step (ft_core.redo). A wrapped allreduce with torchft's signature
     (no keep_input) is called without it."""
-    if _takes(manager.allreduce, "keep_input"):
-        return manager.allreduce(tensor, reduce_op, keep_input=True)
-    return manager.allreduce(tensor, reduce_op)
+    allreduce = manager.allreduce
+    if _takes(getattr(allreduce, "__func__", allreduce), "keep_input"):  # the function: cached per class
+        return allreduce(tensor, reduce_op, keep_input=True)
+    return allreduce(tensor, reduce_op)
 
 
+@functools.lru_cache(maxsize=64)
 def _takes(fn: Callable[..., Any], name: str) -> bool:
     try:
         params = inspect.signature(fn).parameters

@@ -222,3 +222,30 @@ def test_local_sgd_names_and_knobs_match_torchft():
         assert knob in params
     assert list(inspect.signature(LocalSGD).parameters) == ["manager", "model", "optimizer", "sync_every"]
     assert ft_core.DiLoCo is DiLoCo and ft_core.LocalSGD is LocalSGD
+
+
+def test_kept_reductions_call_an_allreduce_with_torchfts_signature_without_keep_input():
+    """DiLoCo, LocalSGD and Lightning's logged values ask for `keep_input` (ft_core.managed_work.allreduce_kept);
+    a Manager whose allreduce was wrapped or overridden with torchft's signature is called without it."""
+    from ft_core.managed_work import allreduce_kept
+
+    calls: list[Any] = []
+
+    class Wrapped:
+        def allreduce(self, tensor, reduce_op=ReduceOp.AVG, should_quantize=False):  # torchft's
+            calls.append(("torchft", reduce_op))
+
+    class Forwarding:
+        def allreduce(self, *args, **kwargs):
+            calls.append(("forwarding", kwargs))
+
+    class Ours:
+        def allreduce(self, tensor, reduce_op=ReduceOp.AVG, should_quantize=False, *, divided_by=None,
+                      keep_input=False):
+            calls.append(("ours", keep_input))
+
+    t = torch.zeros(2)
+    allreduce_kept(Wrapped(), t, ReduceOp.SUM)
+    allreduce_kept(Forwarding(), t)
+    allreduce_kept(Ours(), t)
+    assert calls == [("torchft", ReduceOp.SUM), ("forwarding", {"keep_input": True}), ("ours", True)]
