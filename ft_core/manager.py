@@ -414,7 +414,7 @@ class Manager:
         if not tensors or self._round is None or self._round.num_participants == 0:
             return
         root = self.is_participating() and self._round.participating_rank == 0
-        broadcast_by_sum(tensors, root, self._reduce, lambda: self._errored is None)
+        broadcast_by_sum(tensors, root, functools.partial(redo.issue, self, keep=True), lambda: self._errored is None)
 
     # ----------------------------------------------------------------- commit
 

@@ -110,6 +110,7 @@ def main() -> int:
     p.add_argument("--loss-first", action="store_true", help="with --read-reduced: reduce the loss before backward")
     p.add_argument("--max-norm", type=float, default=0.05)
     p.add_argument("--plain-backward", action="store_true", help="loss.backward() instead of ddp.backward(loss)")
+    p.add_argument("--batchnorm", action="store_true", help="a BatchNorm layer: running stats synced at the vote")
     args = p.parse_args()
     torch.set_num_threads(1)
     rank_part = "" if args.ranks == 1 else f".r{args.rank}"
@@ -124,8 +125,9 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32), torch.nn.ReLU(),
-                                torch.nn.Linear(32, 4))
+    norm = [torch.nn.BatchNorm1d(64)] if args.batchnorm else []  # buffers: synced across groups before the vote
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), *norm, torch.nn.ReLU(), torch.nn.Linear(64, 32),
+                                torch.nn.ReLU(), torch.nn.Linear(32, 4))
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     pg = ProcessGroupGloo(timeout=timedelta(seconds=args.timeout))
     def load(state: dict) -> None:

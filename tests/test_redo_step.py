@@ -372,6 +372,25 @@ def assert_two_ranks_failed_or_redid(job: Job, kill_step: int, redo: bool) -> No
 
 
 @pytest.mark.timeout(120)
+def test_a_peer_lost_before_the_buffers_sync_is_redone_with_copies_kept(processes, tmp_path) -> None:
+    """A model with BatchNorm: before the vote every group takes the first participant's running stats (one
+    SUM reduction). The loss reaches the survivors after the gradients' reductions completed and before that
+    sync: it cannot pair with the dead group, so the step cannot keep its values; with FT_REDO_COPY=1 every
+    input is still there and the survivors redo the step at the wait, buffers included, and commit it with 2
+    participants, identical buffers and all. Until 2026-12-07 the buffers' sync was not one of the step's
+    recorded reductions: its failure started no redo and the survivors lost the step."""
+    job, kill_step = run_kill(processes, tmp_path, "reduced", hold=False, hold_vote=True, env={"FT_REDO_COPY": "1"},
+                              extra=["--batchnorm"])
+    for g in SURVIVORS:
+        row = next(r for r in job.steps(g) if r["step"] == kill_step)
+        assert row["lost_before_vote"], row
+        redos = [(e["step"], e["replayed"]) for e in job.events(g) if e["type"] == "redo"]
+        assert redos == [(kill_step, True)], (redos, job.output(g))
+        assert row["committed"] and row["participants"] == 2, (row, job.output(g))
+    assert_identical(job)
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("env", [{}, {"FT_REDO_COPY": "1"}], ids=["default", "copies-kept"])
 def test_a_reduction_issued_after_a_peer_lost_past_the_gradients_fails_or_redoes_the_step(processes, tmp_path,
                                                                                            env) -> None:
