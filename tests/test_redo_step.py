@@ -249,8 +249,9 @@ def test_a_group_killed_in_the_survivors_forward_pass_costs_them_no_step(process
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("env, extra", [({}, []), ({"FT_REDO_COPY": "1"}, []), ({}, ["--plain-backward"]),
-                                        ({"FT_ASYNC_QUORUM": "0"}, [])],
-                         ids=["inputs-rebuilt-from-grads", "copies-kept", "plain-backward", "sync-quorum"])
+                                        ({"FT_ASYNC_QUORUM": "0"}, []), ({}, ["--batchnorm"])],
+                         ids=["inputs-rebuilt-from-grads", "copies-kept", "plain-backward", "sync-quorum",
+                              "batchnorm-buffers-synced-after"])
 def test_a_group_killed_mid_reduction_costs_the_survivors_no_step(processes, tmp_path, env, extra) -> None:
     """The survivors' reductions were in flight with the dead group when it died. Default: the DDP hook
     rebuilds each failed chunk from the gradients DDP has not overwritten yet; FT_REDO_COPY=1: the
