@@ -96,6 +96,31 @@ def kill_and_check(worker: Worker, point: str, workers: list[Worker]) -> None:
     assert f"SIGKILL during {point}" in worker.output()
 
 
+def kill_and_rejoin(worker: Worker, point: str, workers: list[Worker]) -> None:
+    """SIGKILL `worker` at `point`, restart it, and wait until it healed and synced twice."""
+    worker.arm(point)
+    kill_and_check(worker, point, workers)
+    worker.start()
+    wait_until(lambda: worker.commits() >= 2, 40, f"g{worker.gid} to heal and sync", workers)
+
+
+def stop_all(workers: list[Worker], workdir: str) -> tuple[int, list[dict[str, Any]]]:
+    """Every group stops after the sync that reaches 4 steps past the furthest, exits cleanly and ends at that
+    step with the same state as the others: (that step, each group's final state)."""
+    target = max(w.step() for w in workers) + 4
+    with open(os.path.join(workdir, "stop.tmp"), "w") as f:
+        f.write(str(target))
+    os.replace(os.path.join(workdir, "stop.tmp"), os.path.join(workdir, "stop"))
+    finals = []
+    for w in workers:
+        assert w.wait_exit(40) == 0, w.output()[-3000:]
+        with open(w.file("final.json")) as f:
+            finals.append(json.load(f))
+    assert [f["step"] for f in finals] == [target] * len(workers)
+    assert all(f == finals[0] for f in finals[1:])
+    return target, finals
+
+
 @pytest.mark.timeout(110)
 @pytest.mark.parametrize("fragments", [2, pytest.param(1, marks=pytest.mark.slow)], ids=["streaming", "plain"])
 def test_diloco_survives_sigkills_and_heals_identical(processes, tmp_path, fragments):
@@ -117,26 +142,10 @@ def test_diloco_survives_sigkills_and_heals_identical(processes, tmp_path, fragm
         wait_until(lambda: g1.commits() >= 2, 40, "g1 to heal and sync", workers)
 
         # g2 dies with its pseudo-gradient allreduce in flight: that sync does not commit anywhere
-        g2.arm("sync")
-        kill_and_check(g2, "sync", workers)
-        g2.start()
-        wait_until(lambda: g2.commits() >= 2, 40, "g2 to heal and sync", workers)
-
-        target = max(w.step() for w in workers) + 4
-        with open(os.path.join(str(tmp_path), "stop.tmp"), "w") as f:
-            f.write(str(target))
-        os.replace(os.path.join(str(tmp_path), "stop.tmp"), os.path.join(str(tmp_path), "stop"))
-        for w in workers:
-            assert w.wait_exit(40) == 0, w.output()[-3000:]
-
-    finals = []
-    for w in workers:
-        with open(w.file("final.json")) as f:
-            finals.append(json.load(f))
-    assert [f["step"] for f in finals] == [target] * 3
+        kill_and_rejoin(g2, "sync", workers)
+        target, finals = stop_all(workers, str(tmp_path))
     assert sorted(finals[0]["fragments"]) == [f"StreamingDiLoCoFragment_{i}" for i in range(fragments)]
     assert finals[0]["fragments"]["StreamingDiLoCoFragment_0"]["outer_optimizer"], "outer momentum is empty"
-    assert finals[1] == finals[0] and finals[2] == finals[0]
     # the survivor (never killed) committed nearly every sync itself (it may heal after a sync that
     # failed only on its side)
     assert sum(row["committed"] for row in g0.syncs()) >= target // 2
@@ -159,23 +168,8 @@ def test_a_group_killed_mid_sync_costs_the_survivors_no_sync(processes, tmp_path
             w.start()
         wait_until(lambda: all(w.commits() >= 2 for w in workers), 60, "every group syncing", workers)
         g0, g1, g2 = workers
-        g2.arm("reduction")
-        kill_and_check(g2, "reduction", workers)
-        g2.start()
-        wait_until(lambda: g2.commits() >= 2, 40, "g2 to heal and sync", workers)
-        target = max(w.step() for w in workers) + 4
-        with open(os.path.join(str(tmp_path), "stop.tmp"), "w") as f:
-            f.write(str(target))
-        os.replace(os.path.join(str(tmp_path), "stop.tmp"), os.path.join(str(tmp_path), "stop"))
-        for w in workers:
-            assert w.wait_exit(40) == 0, w.output()[-3000:]
-
-    finals = []
-    for w in workers:
-        with open(w.file("final.json")) as f:
-            finals.append(json.load(f))
-    assert [f["step"] for f in finals] == [target] * 3
-    assert finals[1] == finals[0] and finals[2] == finals[0]
+        kill_and_rejoin(g2, "reduction", workers)
+        stop_all(workers, str(tmp_path))
     for w in (g0, g1):
         out = w.output()
         redos = [json.loads(line[len("redo "):]) for line in out.splitlines() if line.startswith("redo {")]
