@@ -31,8 +31,9 @@ What can be redone (the copy policy):
   peer before another failed, a failed one that nothing can rebuild (a user `manager.allreduce`), a
   timeout.
 - `Manager.allreduce(..., keep_input=True)`: that reduction's input is copied before it is sent, for a
-  caller that cannot rebuild it (ft_core.diloco's pseudo-gradients, ft_core.local_sgd's parameters and a
-  value Lightning logs with sync_dist): one copy of that tensor, in a buffer reused every step.
+  caller that cannot rebuild it (ft_core.diloco's pseudo-gradients, ft_core.local_sgd's parameters, a
+  value Lightning logs with sync_dist, and the buffers the Manager syncs before the vote): one copy of
+  that tensor, in a buffer reused every step.
 - `FT_REDO_COPY=1`: every reduction's input is copied before it is sent, so those are redoable too.
   Memory bound: one extra copy of everything reduced across groups in one step (the gradients: the
   model's trainable parameter bytes, per rank), in buffers reused every step; cost: one memcpy of the
