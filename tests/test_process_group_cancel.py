@@ -63,3 +63,32 @@ def test_a_configure_whose_member_never_arrives_ends_at_once_when_cancelled_and_
     finally:
         pg.shutdown()
     assert not configure_threads()
+
+
+@pytest.mark.timeout(60)
+def test_a_construction_abandoned_just_before_exit_ends_before_the_interpreter_finalizes(tmp_path):
+    """A configure abandoned at its deadline may still be inside the backend's C++ when the process exits;
+    back in a finalizing interpreter its thread would be ended with pthread_exit, which aborts the process
+    (SIGABRT in a chaos run: the group exited 2 s after abandoning a configure). The exit now waits for it,
+    at most until its bound (twice the caller's deadline): here the construction (1 s, abandoned at 0.6 s)
+    finishes and marks it before the process ends.
+    Before: the process ended without the mark."""
+    import subprocess
+    import sys
+
+    from conftest import child_env
+
+    marker = tmp_path / "construction_ended"
+    script = (
+        "import time\n"
+        "from ft_core.process_groups.cancel import ConfigureAttempt, run_attempt\n"
+        "def build():\n"
+        "    time.sleep(1.0)\n"
+        f"    open({str(marker)!r}, 'w').close()\n"
+        "try:\n"
+        "    run_attempt(ConfigureAttempt(1), 'ft-test-configure', build, lambda backend: None, 0.6)\n"
+        "except Exception as exc:\n"
+        "    print('abandoned:', exc, flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", script], env=child_env(), timeout=50, capture_output=True, text=True)
+    assert proc.returncode == 0 and "abandoned: ft-test-configure did not end within 0.6s" in proc.stdout, proc
+    assert marker.exists(), "the process exited while the abandoned construction was still running"

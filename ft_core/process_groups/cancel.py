@@ -10,6 +10,7 @@ was abandoned has its backend discarded, never installed.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 from datetime import timedelta
@@ -24,6 +25,23 @@ __all__ = ["CancellableStore", "ConfigureAttempt", "run_attempt"]
 
 # How often a rendezvous wait asks the store again (it starts at the low end and backs off).
 POLL_S = (0.001, 0.01)
+
+_RUNNING: dict[threading.Thread, float] = {}  # construction threads -> when they must have ended (monotonic)
+_RUNNING_LOCK = threading.Lock()
+
+
+def _let_running_end() -> None:
+    """At exit, wait for the backend constructions still running, each at most until its bound. One that came
+    back from C++ into a finalizing interpreter would be ended with pthread_exit, whose unwinding through
+    torch's C++ frames aborts the process (SIGABRT, "terminate called without an active exception": a group
+    that exited 2 s after abandoning a configure, `ftl chaos` cell c2, 2026-12-07)."""
+    with _RUNNING_LOCK:
+        running = list(_RUNNING.items())
+    for thread, end_by in running:
+        thread.join(max(0.0, end_by - time.monotonic()))
+
+
+atexit.register(_let_running_end)
 
 
 class ConfigureAttempt(Attempt):
@@ -58,11 +76,18 @@ def run_attempt(attempt: ConfigureAttempt, thread_name: str, build: Callable[[],
             if not abandoned:
                 attempt._result, attempt._error = result, error
         attempt.wake.set()
-        if abandoned and result is not None:
-            discard(result)
+        try:
+            if abandoned and result is not None:
+                discard(result)
+        finally:
+            with _RUNNING_LOCK:
+                _RUNNING.pop(threading.current_thread(), None)
 
     if attempt.reason is None:
-        threading.Thread(target=body, name=thread_name, daemon=True).start()
+        thread = threading.Thread(target=body, name=thread_name, daemon=True)
+        with _RUNNING_LOCK:  # an abandoned construction ends on its own within its timeouts (< deadline_s)
+            _RUNNING[thread] = time.monotonic() + 2 * deadline_s
+        thread.start()
     else:
         attempt.wake.set()  # cancelled before it began: build nothing
         with attempt._lock:
