@@ -253,8 +253,7 @@ class LiveQuorum:
     # ---- inside a step: part of the step's reductions ------------------------------------------
 
     def _managed(self, tensor: torch.Tensor, op: str) -> torch.Tensor | None:
-        source = tensor.detach()
-        work = source.double() if op == "mean" and not source.is_floating_point() else source.clone()
+        work = tensor.detach().double() if op == "mean" and not tensor.is_floating_point() else tensor.detach().clone()
         try:
             pending = allreduce_kept(self._manager, work, _OPS[op])  # kept: a redo (ft_core.redo) reduces it again
             pending.wait()

@@ -6,7 +6,8 @@ Trains a small MLP (two fragments) on per-group synthetic data; after each fragm
 "inner" (after an inner step), "sync" (pseudo-gradient allreduce in flight, before the vote),
 "reduction" (instead of issuing this group's first pseudo-gradient reduction of a sync all three
 groups take part in, while the peers' are in flight) or "heal" (this group's quorum says it heals:
-killed before fetching). Every redo the Manager reports is printed as a line `redo {event}`. Once --stop-file holds a step
+killed before fetching). Every redo the Manager reports is printed as a line `redo {event}`.
+Once --stop-file holds a step
 number, the group stops after the sync that reaches it and writes --final: its step, global
 copies and outer optimizer state (exact values, to compare across groups).
 """
@@ -23,6 +24,8 @@ from datetime import timedelta
 
 import torch
 from torch import nn
+
+from _worker_faults import die_in_reduction
 
 from ft_core.local_sgd import DiLoCo, LocalSGD
 from ft_core.manager import Manager
@@ -56,19 +59,6 @@ class KillOnHeal(logging.Handler):
             print("redo " + json.dumps(event, default=str), flush=True)
 
 
-def kill_in_reduction(path: str) -> None:
-    """Arm the "reduction" point: SIGKILL instead of issuing a reduction of a sync 3 groups take part in."""
-    issue = Manager._allreduce_future
-
-    def or_die(self, tensor, *a, **kw):  # type: ignore[no-untyped-def]
-        if self.num_participants() == 3 and armed(path, "reduction"):
-            time.sleep(0.05)  # the peers' reductions of this sync are in flight, waiting for ours: it never comes
-            die_if_armed(path, "reduction")
-        return issue(self, tensor, *a, **kw)
-
-    Manager._allreduce_future = or_die
-
-
 def stop_step(path: str) -> int | None:
     try:
         with open(path) as f:
@@ -96,7 +86,9 @@ def main() -> None:
     events = logging.getLogger("ft_core.events")
     events.setLevel(logging.INFO)
     events.addHandler(KillOnHeal(args.kill_file))
-    kill_in_reduction(args.kill_file)
+    # the "reduction" point: instead of issuing a reduction of a sync all 3 groups take part in
+    die_in_reduction(lambda m: m.num_participants() == 3 and armed(args.kill_file, "reduction"),
+                     lambda m: "SIGKILL during reduction")
 
     torch.manual_seed(0)  # the same initial model in every group (a restarted one too)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))

@@ -5,19 +5,27 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any, Callable
 
 
 def kill_in_reduction(step: int, groups: int) -> None:
     """SIGKILL this process instead of issuing its cross-group reduction of the first Manager step from `step` on
     that `groups` groups take part in, while the peers' reductions of it are in flight."""
+    die_in_reduction(lambda m: m.current_step() >= step and m.num_participants() == groups,
+                     lambda m: f"SIGKILL self in the reduction of step {m.current_step()}")
+
+
+def die_in_reduction(when: Callable[[Any], bool], say: Callable[[Any], str]) -> None:
+    """SIGKILL this process instead of issuing a cross-group reduction for which `when(manager)` holds (printing
+    `say(manager)` first), while the peers' reductions of it are in flight."""
     from ft_core.manager import Manager
 
     issue = Manager._allreduce_future
 
     def or_die(self, tensor, *a, **kw):  # type: ignore[no-untyped-def]
-        if self.current_step() >= step and self.num_participants() == groups:
+        if when(self):
             time.sleep(0.05)  # the peers' reductions of this step are in flight, waiting for ours: it never comes
-            print(f"SIGKILL self in the reduction of step {self.current_step()}", flush=True)
+            print(say(self), flush=True)
             os.kill(os.getpid(), 9)
         return issue(self, tensor, *a, **kw)
 
