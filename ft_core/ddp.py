@@ -269,9 +269,9 @@ class _CanonicalReducer:
         with self._lock:
             if chunk.finished:
                 return False
+        if any(p.grad is None for p in chunk.params):  # checked first: a False leaves `tensor` as it was
+            return False
         for p in chunk.params:
-            if p.grad is None:
-                return False
             offset = chunk.offsets[id(p)]
             torch.mul(p.grad.reshape(-1), chunk.divided, out=tensor[offset:offset + p.numel()])
         return True

@@ -413,8 +413,8 @@ class Manager:
         tensors = [b for source in self._buffer_sources.values() for b in source()]
         if not tensors or self._round is None or self._round.num_participants == 0:
             return
-        root = self.is_participating() and self._round.participating_rank == 0
-        broadcast_by_sum(tensors, root, functools.partial(redo.issue, self, keep=True), lambda: self._errored is None)
+        root = lambda: self.is_participating() and self._round.participating_rank == 0  # noqa: E731 (its quorum's)
+        broadcast_by_sum(tensors, root, functools.partial(redo.issue, self), lambda: self._errored is None)
 
     # ----------------------------------------------------------------- commit
 

@@ -19,7 +19,10 @@ Where (`resolve`):
 
 A peer lost after every collective the step sent had completed fails nothing: the values hold its
 contribution, as its own commit did, and stand (`on_peer_lost`); only a collective issued after the loss
-fails the step (`skipped`), and that is redone as above when it can be.
+fails the step (`skipped`). The redo then re-issues every reduction when it can, else only those issued
+after the loss, while the ones before stand (`_replay_start`: DDP's delivered gradients with the BatchNorm
+buffers' sync or a loss averaged after them); the survivors agree on where their replays start before
+either issues one (`_agree`).
 
 What can be redone (the copy policy):
 - default (`FT_REDO_COPY=0`), at no cost on the healthy path: a reduction that was never handed to a
@@ -111,14 +114,21 @@ class Reduction:
     intact: bool = True  # never handed to a collective or filled: `tensor` still holds the input
     writers: list[Callable[[], None]] = field(default_factory=list)  # run after a redo reduced it again
     restore: Callable[[], bool] | None = None  # puts the input back into `tensor` after a failed send
+    refill: Callable[[], None] | None = None  # makes the input again for the quorum then current (issue's refill)
     out: torch.futures.Future | None = None  # at the wait: what the loop waits on, done after any redo
     first: torch.futures.Future | None = None  # at the wait: the first attempt (None: the redo issued it)
     replayed: bool = False  # at the wait: the redo issues it, and delivers `out`
     delivered: bool = False
+    failed: bool = False  # its first attempt was sent and failed (restore_input)
+
+    @property
+    def completed(self) -> bool:
+        """Its first attempt was sent and completed: the value holds every peer's contribution."""
+        return self.first is not None and not self.intact and not self.failed
 
     @property
     def recoverable(self) -> bool:
-        return self.intact or self.saved is not None
+        return self.intact or self.saved is not None or self.refill is not None
 
 
 class ReductionLog:
@@ -152,14 +162,14 @@ class ReductionLog:
         self.kept = False
         self.quorum_ids, self.quorum_id = (), 0  # until this step's quorum: no redo names an earlier attempt
 
-    def record(self, tensor: torch.Tensor, op: ReduceOp, broken: bool,
-               divided_by: int | None = None, keep: bool = False) -> Reduction | None:
+    def record(self, tensor: torch.Tensor, op: ReduceOp, broken: bool, divided_by: int | None = None,
+               keep: bool = False, refill: Callable[[], None] | None = None) -> Reduction | None:
         """A reduction being issued (None when redo is off). A copy is kept (copy mode, or `keep`: its caller
-        can rebuild the input from nothing else) only when it will be sent."""
+        can rebuild the input from nothing else) only when it will be sent and cannot be made again (`refill`)."""
         if not self.config.enabled:
             return None
-        saved = self._copy(len(self.records), tensor) if (self.config.copy or keep) and not broken else None
-        rec = Reduction(tensor, op, divided_by, saved)
+        copy = (self.config.copy or keep) and not broken and refill is None
+        rec = Reduction(tensor, op, divided_by, self._copy(len(self.records), tensor) if copy else None, refill=refill)
         for ahead in [a for a in self._ahead if a[0] is tensor]:  # said before it was issued (on_redo)
             self._ahead.remove(ahead)
             rec.writers.append(ahead[1])
@@ -208,14 +218,16 @@ class ReductionLog:
 
 # ---- redo at the wait (groups of one rank) -----------------------------------------------------------
 
-def issue(m: "Manager", tensor: torch.Tensor, op: ReduceOp, divided_by: int | None = None,
-          keep: bool = False) -> torch.futures.Future:
-    """Issue one of this step's cross-group reductions (`keep`: copy its input, as copy mode does for all).
-    At the wait, the future returned completes once the value is final: if the step lost a peer, after the
-    redo reduced it again without the peer."""
+def issue(m: "Manager", tensor: torch.Tensor, op: ReduceOp, divided_by: int | None = None, keep: bool = False,
+          refill: Callable[[], None] | None = None) -> torch.futures.Future:
+    """Issue one of this step's cross-group reductions (`keep`: copy its input, as copy mode does for all;
+    `refill()`: makes the input again, for the quorum then current, before a redo re-sends it: an input that
+    depends on the quorum, as the buffers' broadcast's). At the wait, the future returned completes once the
+    value is final: if the step lost a peer, after the redo reduced it again without the peer."""
     log = m._redo
     if not log.config.at_wait:
-        return m._reduce(tensor, op, log.record(tensor, op, m._pg_broken, divided_by, keep), divided_by=divided_by)
+        rec = log.record(tensor, op, m._pg_broken, divided_by, keep, refill)
+        return m._reduce(tensor, op, rec, divided_by=divided_by)
     try:
         m.wait_quorum()
         ready = True
@@ -223,7 +235,7 @@ def issue(m: "Manager", tensor: torch.Tensor, op: ReduceOp, divided_by: int | No
         ready = False
         log.other_errors = True
     with log.lock:
-        rec = log.record(tensor, op, m._pg_broken, divided_by, keep)
+        rec = log.record(tensor, op, m._pg_broken, divided_by, keep, refill)
         assert rec is not None
         rec.out = ft_futures.device_future(ft_futures.devices_of(tensor))
         if log.state is WaitState.PENDING:  # the redo issues it after the ones before it
@@ -314,7 +326,8 @@ def _redo_at_wait(m: "Manager") -> None:
 
 def _replay_at_wait(m: "Manager") -> None:
     """Wait for the step's first attempts to settle, form the quorum again for the same step, rebuild
-    the process group, re-issue every reduction so far in their original order, then deliver them."""
+    the process group, agree with the other survivors where the replay starts (`_replay_start`), re-issue
+    the reductions from there in their original order, then deliver them."""
     log = m._redo
     started = time.perf_counter()
     with log.lock:
@@ -322,12 +335,9 @@ def _replay_at_wait(m: "Manager") -> None:
     for first in firsts:
         first.wait()  # settled futures never fail; bounded by the collective timeout (the group was aborted)
     with log.lock:
-        for rec in log.records:  # a completed one too, if its integration still can (ft_core.ddp: not delivered)
-            if not rec.intact and rec.saved is None and rec.restore is not None:
-                _restore(rec)
-        recoverable = all(r.recoverable for r in log.records)
+        start = _replay_start(log)
     enough = rules.survivors_can_commit(log.quorum_ids, log.lost, m.config.min_replica_size)
-    if log.other_errors or not recoverable or not enough:
+    if log.other_errors or start is None or not enough:
         why = "another error than the lost peer" if log.other_errors else "too few survivors to commit it" \
             if not enough else "a reduction's input is gone (sent, and nothing kept or rebuilt it; FT_REDO_COPY=1 " \
             "keeps a copy)"
@@ -351,18 +361,21 @@ def _replay_at_wait(m: "Manager") -> None:
         _fail(m, "abandoned")
         return
     m._clear_errors()
-    pending, done = [], 0
+    if not _agree(m, start, log.records[0].tensor.device):
+        _emit(m, False, "survivors disagree", started)
+        _fail(m, f"the survivors cannot replay the same reductions (this one from its reduction {start})")
+        return
+    pending, done = [], start
     while True:  # in the original order; reductions issued meanwhile join the end
         with log.lock:
             if done == len(log.records):
                 log.state = WaitState.REPLAYED
-                replayed = list(log.records)
+                replayed = log.records[start:]
                 break
             rec = log.records[done]
             rec.replayed = True
         done += 1
-        if rec.saved is not None:
-            rec.tensor.copy_(rec.saved)
+        _input_again(rec)
         pending.append(m._reduce(rec.tensor, rec.op, wait=False, divided_by=rec.divided_by))
     for fut in pending:
         fut.wait()  # never fails; bounded by the collective timeout
@@ -373,15 +386,62 @@ def _replay_at_wait(m: "Manager") -> None:
     for rec in replayed:
         for write in rec.writers:
             write()
-    logger.info("%s redid the step at the wait with %d participant(s) in %.3fs", m._prefix(), n,
-                time.perf_counter() - started)
-    _emit(m, True, "replayed", started)
+    logger.info("%s redid the step at the wait with %d participant(s) in %.3fs (%d reduction(s) kept with the "
+                "lost group)", m._prefix(), n, time.perf_counter() - started, start)
+    _emit(m, True, "replayed", started, kept=start)
     with log.lock:
-        waiting = [r for r in replayed if not r.delivered]
+        waiting = [r for r in log.records if not r.delivered]  # a kept one too, if it completed meanwhile
         for r in waiting:
             r.delivered = True
     for r in waiting:
         _deliver(r)
+
+
+def _replay_start(log: ReductionLog) -> int | None:
+    """The first reduction this survivor's replay re-issues (first attempts settled; lock held), None if it
+    cannot redo the step. 0, every reduction (inputs rebuilt where their integration can, a completed one
+    too: the sampler's votes, a DDP chunk not yet delivered), as long as it can. Otherwise, if the loss
+    reached it after every reduction it had sent completed (`log.kept`), the first one issued after the
+    loss: those before hold the lost group's contribution and stand, as they would with nothing issued
+    after the loss (`on_peer_lost`); DDP's delivered gradients are such. A completed input is rebuilt
+    last first, so the first that cannot be leaves the ones before it as they completed."""
+    records = log.records
+    done = [r.completed for r in records]
+    kept = done.index(False) if log.kept and False in done else 0
+    if any(done[kept:]):  # a completed one after a failed one: the values do not split at the loss
+        kept = 0
+    for rec in records[kept:]:  # replayed in any case
+        if not rec.recoverable and rec.restore is not None:
+            _restore(rec)
+    if not all(r.recoverable for r in records[kept:]):
+        return None
+    rebuilt = False
+    for rec in reversed(records[:kept]):
+        if rec.recoverable:
+            continue
+        if rec.restore is not None:
+            _restore(rec)
+        if not rec.recoverable:
+            return None if rebuilt else kept
+        rebuilt = True
+    return 0
+
+
+def _agree(m: "Manager", start: int, device: torch.device) -> bool:
+    """Every survivor replays from the same reduction (one small reduction on the rebuilt group, before the
+    replay): else their collectives would pair different tensors."""
+    ends = torch.tensor([start, -start], dtype=torch.int64, device=device)
+    m._reduce(ends, ReduceOp.MIN, wait=False).wait()  # never fails; bounded by the collective timeout
+    return m._errored is None and int(ends[0]) == -int(ends[1])
+
+
+def _input_again(rec: Reduction) -> None:
+    """Before a replay re-sends `rec`: its input made again for the new quorum, or put back from its copy (an
+    intact or restored input is there already)."""
+    if rec.refill is not None:
+        rec.refill()
+    elif rec.saved is not None:
+        rec.tensor.copy_(rec.saved)
 
 
 def _restore(rec: Reduction) -> None:
@@ -485,6 +545,7 @@ def skipped(m: "Manager", out: torch.futures.Future | None, tensor: torch.Tensor
 def restore_input(rec: Reduction, error: BaseException) -> None:
     """A sent reduction failed: put its input back if the integration can (not after a timeout, when the
     collective may still be writing into the tensor), so the step stays redoable without a copy."""
+    rec.failed = True
     restore = rec.restore
     if restore is not None and not isinstance(error, TimeoutError) and not rec.intact:
         try:
@@ -537,8 +598,7 @@ def redo_step(m: "Manager") -> bool:
         return False
     pending = []
     for rec in log.records:  # the original order: every redoing group issues the same sequence
-        if rec.saved is not None:
-            rec.tensor.copy_(rec.saved)
+        _input_again(rec)
         pending.append(m._reduce(rec.tensor, rec.op, divided_by=rec.divided_by))
     for fut_r in pending:
         fut_r.wait()  # never fails; bounded by the collective timeout
@@ -575,6 +635,7 @@ def _redo_quorum(m: "Manager", old_ids: tuple[str, ...]) -> tuple[rules.RedoRole
     return role, plan.num_participants
 
 
-def _emit(m: "Manager", replayed: bool, outcome: str, started: float, **fields: Any) -> None:
+def _emit(m: "Manager", replayed: bool, outcome: str, started: float, kept: int = 0) -> None:
+    """The redo event; `kept`: how many of the step's first reductions stood, holding the lost group's share."""
     m._emit("redo", replayed=replayed, outcome=outcome, reductions=len(m._redo.records),
-            seconds=time.perf_counter() - started, **fields)
+            seconds=time.perf_counter() - started, kept=kept)

@@ -31,6 +31,10 @@ projections of this group's own gradient (`local`, from a copy of the model) and
 (`reduced`, right after backward): the reduction is linear, so `reduced` is the mean of the
 participants' `local`.
 
+With --batchnorm each step also records the BatchNorm layer's running stats (their sums) before the
+vote's sync (`own_buffers`) and after it (`buffers`); --sort-first N gives group N the replica id `aN`, so it
+sorts first and is the groups' first participant, whose buffers every group takes.
+
 With --read-reduced the loop reads reduced values before the vote, as real loops do: it averages its
 loss across the groups (`manager.allreduce(...).wait()`, after the backward pass, or before it with
 --loss-first) and clips the reduced gradients (`clip_grad_norm_`), and records both; after the step it
@@ -96,6 +100,10 @@ def reduced_loss(manager: Manager, loss: torch.Tensor) -> tuple[float, float]:
     return float(mine.item()), float(reduced.item())
 
 
+def buffer_sums(layer: torch.nn.Module) -> list[float]:
+    return [float(b.double().sum()) for b in layer.buffers() if b.is_floating_point()]
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--group", type=int, required=True)
@@ -111,6 +119,9 @@ def main() -> int:
     p.add_argument("--max-norm", type=float, default=0.05)
     p.add_argument("--plain-backward", action="store_true", help="loss.backward() instead of ddp.backward(loss)")
     p.add_argument("--batchnorm", action="store_true", help="a BatchNorm layer: running stats synced at the vote")
+    p.add_argument("--sort-first", type=int, default=-1,
+                   help="this group's replica id sorts before the others' ('a<N>'): participating rank 0, the "
+                        "group whose buffers every group takes")
     args = p.parse_args()
     torch.set_num_threads(1)
     rank_part = "" if args.ranks == 1 else f".r{args.rank}"
@@ -136,7 +147,8 @@ def main() -> int:
 
     manager = Manager(pg, load_state_dict=load, state_dict=lambda: {"model": model.state_dict(),
                                                                     "optim": inner.state_dict()},
-                      replica_id=f"g{args.group}", rank=args.rank, world_size=args.ranks,
+                      replica_id=f"{'a' if args.group == args.sort_first else 'g'}{args.group}", rank=args.rank,
+                      world_size=args.ranks,
                       store_addr=store_host or None, store_port=int(store_port) if store_port else None,
                       timeout=timedelta(seconds=args.timeout),
                       quorum_timeout=timedelta(seconds=30), connect_timeout=timedelta(seconds=30))
@@ -253,7 +265,11 @@ def main() -> int:
                 seen["loss"], seen["reduced_loss"] = reduced_loss(manager, loss)
             seen["norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm))
         step = manager.current_step()
+        if args.batchnorm:
+            seen["own_buffers"] = buffer_sums(norm[0])  # before the vote's sync takes the first participant's
         optimizer.step()
+        if args.batchnorm:
+            seen["buffers"] = buffer_sums(norm[0])
         if args.read_reduced:
             seen["used_norm"] = float(torch.linalg.vector_norm(torch.cat([q.grad.reshape(-1) for q in
                                                                           model.parameters()])))

@@ -36,7 +36,7 @@ from ft_core import step_rules as rules
 from ft_core.control.lighthouse import LighthouseServer
 from ft_core.control.manager_client import ManagerClient
 from ft_core.control.manager_server import ManagerServer
-from ft_core.redo import RedoConfig, ReductionLog, resolve
+from ft_core.redo import RedoConfig, Reduction, ReductionLog, _replay_start, resolve
 from ft_core.stores import own_store
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_redo_worker.py")
@@ -373,44 +373,61 @@ def assert_two_ranks_failed_or_redid(job: Job, kill_step: int, redo: bool) -> No
 
 
 @pytest.mark.timeout(120)
-def test_a_peer_lost_before_the_buffers_sync_is_redone_with_copies_kept(processes, tmp_path) -> None:
+@pytest.mark.parametrize("env, first", [({}, False), ({}, True), ({"FT_REDO_COPY": "1"}, True)],
+                         ids=["default", "default-first-participant-killed", "copies-kept-first-participant-killed"])
+def test_a_peer_lost_before_the_buffers_sync_costs_the_survivors_no_step(processes, tmp_path, env, first) -> None:
     """A model with BatchNorm: before the vote every group takes the first participant's running stats (one
     SUM reduction). The loss reaches the survivors after the gradients' reductions completed and before that
-    sync: it cannot pair with the dead group, so the step cannot keep its values; with FT_REDO_COPY=1 every
-    input is still there and the survivors redo the step at the wait, buffers included, and commit it with 2
-    participants, identical buffers and all. Until 2026-12-07 the buffers' sync was not one of the step's
-    recorded reductions: its failure started no redo and the survivors lost the step."""
-    job, kill_step = run_kill(processes, tmp_path, "reduced", hold=False, hold_vote=True, env={"FT_REDO_COPY": "1"},
-                              extra=["--batchnorm"])
+    sync, which cannot pair with the dead group. The survivors redo the step at the wait and commit it with
+    2 participants: by default only the sync (the gradients hold the dead group's contribution and stand, as
+    they would have without the sync), with FT_REDO_COPY=1 everything. Until 2026-12-07 the buffers' sync was
+    not one of the step's recorded reductions: its failure started no redo and the survivors lost the step;
+    then, by default, it was redone only with every input (the gradients' were gone), so the step was lost.
+
+    The buffers the survivors take are the first surviving participant's own, also when the dead group was
+    the first participant (its replica id sorts first): until 2026-12-07 the replay re-sent the inputs made
+    for the old quorum, in which every survivor sent zeros, and the survivors' running stats became zeros."""
+    extra = ["--batchnorm"] + (["--sort-first", str(VICTIM)] if first else [])
+    job, kill_step = run_kill(processes, tmp_path, "reduced", hold=False, hold_vote=True, env=env, extra=extra)
     for g in SURVIVORS:
         row = next(r for r in job.steps(g) if r["step"] == kill_step)
         assert row["lost_before_vote"], row
-        redos = [(e["step"], e["replayed"]) for e in job.events(g) if e["type"] == "redo"]
-        assert redos == [(kill_step, True)], (redos, job.output(g))
+        redos = [(e["step"], e["replayed"], e["kept"] > 0) for e in job.events(g) if e["type"] == "redo"]
+        assert redos == [(kill_step, True, not env)], (redos, job.output(g))
         assert row["committed"] and row["participants"] == 2, (row, job.output(g))
+    assert_buffers_are_the_first_participant_s(job, kill_step)
     assert_identical(job)
+
+
+def assert_buffers_are_the_first_participant_s(job: Job, kill_step: int) -> None:
+    """At the step of the kill every survivor holds group 0's own running stats (the first survivor)."""
+    source = next(r for r in job.steps(0) if r["step"] == kill_step)["own_buffers"]
+    assert any(abs(v) > 1e-3 for v in source), source
+    for g in SURVIVORS:
+        row = next(r for r in job.steps(g) if r["step"] == kill_step)
+        assert row["buffers"] == pytest.approx(source, rel=1e-5), (g, row, source)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("env", [{}, {"FT_REDO_COPY": "1"}], ids=["default", "copies-kept"])
-def test_a_reduction_issued_after_a_peer_lost_past_the_gradients_fails_or_redoes_the_step(processes, tmp_path,
+def test_a_reduction_issued_after_a_peer_lost_past_the_gradients_is_redone_alone_or_with_them(processes, tmp_path,
                                                                                            env) -> None:
     """The loss reaches the survivors after the gradients' reductions completed and before the loop reduces
-    its loss: that reduction cannot pair with the dead group, so the step does not keep its values. It is
-    redone when every input is still there (FT_REDO_COPY=1: the loss read is then the two survivors'
-    average), and fails by default (the gradients' inputs are gone), as docs/guarantees.md says."""
+    its loss: that reduction cannot pair with the dead group, so the step does not keep its values as they
+    are. The survivors redo it: by default only that reduction (the gradients, gone as inputs, hold the dead
+    group's contribution and stand), with FT_REDO_COPY=1 every one; the loss read is the two survivors'
+    average either way. Until 2026-12-07 the default lost the step (docs/guarantees.md)."""
     job, kill_step = run_kill(processes, tmp_path, "reduced", hold=False, hold_vote=True, env=env,
                               extra=["--read-reduced"])
     rows = [next(r for r in job.steps(g) if r["step"] == kill_step) for g in SURVIVORS]
     assert all(r["lost_before_vote"] for r in rows), rows
     for g, row in zip(SURVIVORS, rows):
-        redos = [(e["step"], e["replayed"]) for e in job.events(g) if e["type"] == "redo"]
-        assert redos == [(kill_step, bool(env))], (redos, job.output(g))
-        assert row["committed"] == bool(env), (row, job.output(g))
-    if env:
-        assert all(r["participants"] == 2 for r in rows), rows
-        survivors_mean = (rows[0]["loss"] + rows[1]["loss"]) / 2
-        assert [r["reduced_loss"] for r in rows] == pytest.approx([survivors_mean] * 2, rel=1e-5), rows
+        redos = [(e["step"], e["replayed"], e["kept"]) for e in job.events(g) if e["type"] == "redo"]
+        assert redos == [(kill_step, True, 0 if env else redos[0][2])] and (env or redos[0][2] > 0), \
+            (redos, job.output(g))
+        assert row["committed"] and row["participants"] == 2, (row, job.output(g))
+    survivors_mean = (rows[0]["loss"] + rows[1]["loss"]) / 2
+    assert [r["reduced_loss"] for r in rows] == pytest.approx([survivors_mean] * 2, rel=1e-5), rows
     assert_identical(job)
 
 
@@ -553,3 +570,35 @@ def test_a_redo_replays_only_when_every_member_of_its_quorum_redoes_the_same_att
         assert [r.redo_quorum_id for r in both] == [attempt] * 4, both
         assert all(rules.redo_role(state, r, ids, attempt) is rules.RedoRole.REPLAY for r in both)
         assert rules.redo_role(state, both[0], ids, attempt + 1) is rules.RedoRole.ABANDON  # another attempt
+
+
+def test_a_replay_starts_at_the_first_reduction_issued_after_the_loss_only_when_everything_cannot_be_redone() -> None:
+    """ft_core.redo._replay_start: every reduction again while it can (a completed input rebuilt, as the
+    sampler's votes); else, when the loss came after every sent reduction completed (`kept`), the ones issued
+    after it; a completed input is rebuilt last first, so one that cannot be leaves those before untouched."""
+    calls: list[str] = []
+
+    def sent(name: str, completed: bool, rebuilds: bool | None) -> Reduction:
+        rec = Reduction(torch.zeros(2), ReduceOp.SUM, first=torch.futures.Future(), intact=False, failed=not completed)
+        if rebuilds is not None:
+            rec.restore = lambda: calls.append(name) or rebuilds
+        return rec
+
+    def start(kept: bool, *records: Reduction) -> int | None:
+        log = ReductionLog(RedoConfig(at_wait=True, copy=False))
+        log.records, log.kept = list(records), kept
+        return _replay_start(log)
+
+    skipped = Reduction(torch.zeros(2), ReduceOp.SUM)  # issued after the loss: never sent, intact
+    buffers = Reduction(torch.zeros(2), ReduceOp.SUM, intact=False, failed=True, refill=lambda: None)
+    delivered = sent("grads", True, False)  # DDP: a delivered chunk cannot be rebuilt
+    assert start(True, delivered, buffers) == 1 and calls == ["grads"]
+    assert start(False, sent("grads", True, False), buffers) is None  # the loss came mid-reduction: no split
+    calls.clear()
+    assert start(True, sent("votes", True, True), sent("grads", True, False), skipped) == 2
+    assert calls == ["grads"]  # the votes were left as they completed
+    calls.clear()
+    assert start(True, sent("votes", True, True), skipped) == 0 and calls == ["votes"]  # all again, as before
+    calls.clear()
+    assert start(True, sent("votes", True, False), sent("grads", True, True), skipped) is None  # grads rebuilt
+    assert start(True, sent("a", False, True), sent("b", True, False)) is None  # completed after a failure
