@@ -15,7 +15,10 @@ comes from the route toward the lighthouse; Gloo, the heartbeat streams and the 
   aborts it; they redo the step without it and lose none. The cut group, its host restored, fails that
   step, rejoins, heals and ends identical. Loopback cannot test this: a dead process's sockets are reset.
 
-Skipped where namespaces cannot be made (not root, no `ip netns`).
+Skipped where namespaces cannot be made (not root, no `ip netns`). Two variants run only in the slow tier
+(FT_RUN_SLOW=1; ~50 s each, to keep the suite within 15 minutes): the mid-reduction kill with copies kept
+and the two-rank kept values, each also tested on loopback (tests/test_redo_step.py), and each beside a
+variant here that runs in every suite.
 """
 
 from __future__ import annotations
@@ -98,7 +101,8 @@ def job_on_hosts(simulated_hosts: Any, tmp_path: Any, env: dict[str, str], extra
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("env", [{}, {"FT_REDO_COPY": "1"}], ids=["inputs-rebuilt-from-grads", "copies-kept"])
+@pytest.mark.parametrize("env", [{}, pytest.param({"FT_REDO_COPY": "1"}, marks=pytest.mark.slow)],
+                         ids=["inputs-rebuilt-from-grads", "copies-kept"])
 def test_on_simulated_hosts_a_group_killed_mid_reduction_costs_the_survivors_no_step(simulated_hosts, tmp_path,
                                                                                     env) -> None:
     _, job = job_on_hosts(simulated_hosts, tmp_path, env)
@@ -116,7 +120,8 @@ def test_on_simulated_hosts_a_group_lost_after_the_step_s_reductions_completed_c
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("env", [{}, {"FT_REDO_STEP": "1", "FT_REDO_COPY": "1"}], ids=["kept", "redo-at-vote"])
+@pytest.mark.parametrize("env", [pytest.param({}, marks=pytest.mark.slow), {"FT_REDO_STEP": "1", "FT_REDO_COPY": "1"}],
+                         ids=["kept", "redo-at-vote"])
 def test_on_simulated_hosts_groups_of_two_ranks_keep_or_redo_a_step_whose_peer_was_lost(simulated_hosts, tmp_path,
                                                                                         env) -> None:
     """kept: the loss lands after the gradients' reductions and before the vote; both ranks of each survivor

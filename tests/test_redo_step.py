@@ -173,22 +173,25 @@ def kill_and_restart(job: Job, point: str, *, hold: bool, hold_vote: bool = Fals
     return kill_step
 
 
-def assert_identical(job: Job) -> None:
-    """Every rank of every group that committed step s holds the same state after it; all end identical."""
-    by_step: dict[int, tuple[str, str]] = {}
+def assert_identical(job: Job, by_rank: bool = False) -> None:
+    """Every rank of every group that committed step s holds the same state after it; all end identical.
+    by_rank: the same rank of every group (BatchNorm: torch DDP makes a group's ranks' buffers identical at
+    the start of each forward pass, so after a step each rank holds those its own batch updated)."""
+    by_step: dict[tuple[int, int], tuple[str, str]] = {}
     for g in range(3):
         for inc in range(1, job.incarnation[g] + 1):
             for rank in range(job.ranks):
                 who = f"group {g}.{inc} rank {rank}"
                 for r in job.committed(g, inc, rank):
-                    seen = by_step.setdefault(r["after"], (r["digest"], who))
+                    seen = by_step.setdefault((rank if by_rank else 0, r["after"]), (r["digest"], who))
                     assert seen[0] == r["digest"], f"after step {r['after']}: {seen[1]} and {who} differ"
-    finals = []
+    finals: dict[int, set[tuple[int, str]]] = {}
     for g in range(3):
         for rank in range(job.ranks):
             with open(os.path.join(job.workdir, job.name(g, job.incarnation[g], rank) + ".final.json")) as f:
-                finals.append(json.load(f))
-    assert len({(f["step"], f["digest"]) for f in finals}) == 1, finals
+                final = json.load(f)
+            finals.setdefault(rank if by_rank else 0, set()).add((final["step"], final["digest"]))
+    assert all(len(ends) == 1 for ends in finals.values()), finals
 
 
 def assert_reduced_is_the_participants_mean(job: Job, kill_step: int) -> None:
@@ -346,20 +349,29 @@ def assert_two_ranks_kept(job: Job, kill_step: int) -> None:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("env", [{}, {"FT_REDO_STEP": "1", "FT_REDO_COPY": "1"}], ids=["default", "redo-at-vote"])
-def test_groups_of_two_ranks_fail_or_redo_a_step_that_reduced_after_a_group_was_lost(processes, tmp_path, env) -> None:
+@pytest.mark.parametrize("env, extra", [({}, []), ({"FT_REDO_STEP": "1", "FT_REDO_COPY": "1"}, []),
+                                        ({"FT_REDO_STEP": "1", "FT_REDO_COPY": "1"}, ["--batchnorm", "--sort-first",
+                                                                                    str(VICTIM)])],
+                         ids=["default", "redo-at-vote", "redo-at-vote-batchnorm-first-participant-killed"])
+def test_groups_of_two_ranks_fail_or_redo_a_step_that_reduced_after_a_group_was_lost(processes, tmp_path, env,
+                                                                                      extra) -> None:
     """Two ranks per group; the loss reaches the survivors after the gradients' reductions and before the
     loop averages its loss: no rank may keep the step's values. By default (no redo for groups of several
     ranks) every survivor rank fails the step; with the redo asked for (at the vote, copies kept) every rank
-    redoes it without the dead group and commits it with 2 participants. Either way no rank diverges."""
+    redoes it without the dead group and commits it with 2 participants. Either way no rank diverges. With
+    BatchNorm and the first participant killed, every survivor rank takes the first survivor's buffers (each
+    rank those of the same rank there; coverage: the redo at the vote syncs the buffers in the new quorum)."""
     job, kill_step = run_kill(processes, tmp_path, "reduced", hold=False, hold_vote=True, env=env,
-                              extra=["--read-reduced"], ranks=2)
-    assert_two_ranks_failed_or_redid(job, kill_step, redo=bool(env))
+                              extra=["--read-reduced", *extra], ranks=2)
+    assert_two_ranks_failed_or_redid(job, kill_step, redo=bool(env), by_rank=bool(extra))
+    if extra:
+        for rank in range(2):
+            assert_buffers_are_the_first_participant_s(job, kill_step, rank)
 
 
-def assert_two_ranks_failed_or_redid(job: Job, kill_step: int, redo: bool) -> None:
+def assert_two_ranks_failed_or_redid(job: Job, kill_step: int, redo: bool, by_rank: bool = False) -> None:
     """Every survivor rank learnt of the loss before its vote and either failed the step (no redo) or redid
-    it once and committed it with 2 participants; every rank stays identical."""
+    it once and committed it with 2 participants; every rank stays identical (`assert_identical`)."""
     for g in SURVIVORS:
         for rank in range(2):
             row = next(r for r in job.steps(g, rank=rank) if r["step"] == kill_step)
@@ -369,7 +381,7 @@ def assert_two_ranks_failed_or_redid(job: Job, kill_step: int, redo: bool) -> No
             assert row["committed"] == redo, (row, job.output(g, rank))
             if redo:
                 assert row["participants"] == 2, row
-    assert_identical(job)
+    assert_identical(job, by_rank)
 
 
 @pytest.mark.timeout(120)
@@ -399,12 +411,12 @@ def test_a_peer_lost_before_the_buffers_sync_costs_the_survivors_no_step(process
     assert_identical(job)
 
 
-def assert_buffers_are_the_first_participant_s(job: Job, kill_step: int) -> None:
+def assert_buffers_are_the_first_participant_s(job: Job, kill_step: int, rank: int = 0) -> None:
     """At the step of the kill every survivor holds group 0's own running stats (the first survivor)."""
-    source = next(r for r in job.steps(0) if r["step"] == kill_step)["own_buffers"]
+    source = next(r for r in job.steps(0, rank=rank) if r["step"] == kill_step)["own_buffers"]
     assert any(abs(v) > 1e-3 for v in source), source
     for g in SURVIVORS:
-        row = next(r for r in job.steps(g) if r["step"] == kill_step)
+        row = next(r for r in job.steps(g, rank=rank) if r["step"] == kill_step)
         assert row["buffers"] == pytest.approx(source, rel=1e-5), (g, row, source)
 
 
