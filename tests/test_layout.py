@@ -85,7 +85,7 @@ GENERATED = ("ft_pb2.py", "ft_pb2_grpc.py", "ft_pb2.pyi")
 STEP_PROTOCOL = {"ft_core.manager", "ft_core.manager_config", "ft_core.manager_wiring", "ft_core.step_rules", "ft_core.managed_work",
                  "ft_core.futures", "ft_core.ddp", "ft_core.optim", "ft_core.data", "ft_core.metrics",
                  "ft_core.local_sgd", "ft_core.diloco", "ft_core.healing", "ft_core.buffers", "ft_core.stores",
-                 "ft_core.redo"}
+                 "ft_core.redo", "ft_core.redo_log"}
 SHARED_LEAVES = {"ft_core.errors", "ft_core.settings", "ft_core.net", "ft_core.cancels"}
 OUTSIDE_THE_ROOMS = {"ft_core", "ft_core.__main__",  # the lazy package and `python -m ft_core` (the CLI)
                      "ft_core.lighthouse", "ft_core.manager_server", "ft_core.process_group"}  # deprecated aliases
