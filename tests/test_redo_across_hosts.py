@@ -6,7 +6,8 @@ comes from the route toward the lighthouse; Gloo, the heartbeat streams and the 
 - A group SIGKILLed mid-reduction: the survivors redo the step without it (docs/guarantees.md "Redone
   steps"), as on loopback.
 - A group lost after the step's reductions completed: the survivors keep the values they hold and commit
-  the step with 3 participants (the kept-values rule, 19182c5), as on loopback.
+  the step with 3 participants (the kept-values rule, 19182c5), as on loopback. With BatchNorm, the first
+  participant lost before the buffers' sync: the survivors redo only the sync (2 participants).
 - Groups of two ranks (each group's store served on its own host): a group lost after the gradients'
   reductions is kept by both ranks of each survivor (the kept-values rule); lost before the loss's
   reduction, with FT_REDO_STEP=1 and copies, each survivor group redoes the step at the vote.
@@ -35,6 +36,7 @@ from test_redo_step import (
     SURVIVORS,
     VICTIM,
     Job,
+    assert_buffers_sync_redone,
     assert_identical,
     assert_kept_with_the_dead_group_s_contribution,
     assert_no_step_lost,
@@ -117,6 +119,16 @@ def test_on_simulated_hosts_a_group_lost_after_the_step_s_reductions_completed_c
         simulated_hosts, tmp_path) -> None:
     _, job = job_on_hosts(simulated_hosts, tmp_path, {})
     assert_kept_with_the_dead_group_s_contribution(job, kill_and_restart(job, "reduced", hold=False, hold_vote=True))
+
+
+@pytest.mark.timeout(150)
+def test_on_simulated_hosts_the_first_participant_lost_before_the_buffers_sync_costs_the_survivors_no_step(
+        simulated_hosts, tmp_path) -> None:
+    """BatchNorm, default mode: the group whose buffers everyone takes is lost after the gradients' reductions
+    and before the buffers' sync. The survivors agree across the bridge to replay only the sync, in which the
+    first survivor now sends its buffers, and commit the step."""
+    _, job = job_on_hosts(simulated_hosts, tmp_path, {}, ["--batchnorm", "--sort-first", str(VICTIM)])
+    assert_buffers_sync_redone(job, kill_and_restart(job, "reduced", hold=False, hold_vote=True), kept=True)
 
 
 @pytest.mark.timeout(150)
