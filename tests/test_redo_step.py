@@ -385,8 +385,10 @@ def assert_two_ranks_failed_or_redid(job: Job, kill_step: int, redo: bool, by_ra
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("env, first", [({}, False), ({}, True), ({"FT_REDO_COPY": "1"}, True)],
-                         ids=["default", "default-first-participant-killed", "copies-kept-first-participant-killed"])
+@pytest.mark.parametrize("env, first", [({}, False), ({}, True), ({"FT_REDO_COPY": "1"}, True),
+                                        ({"FT_ASYNC_QUORUM": "0"}, True)],
+                         ids=["default", "default-first-participant-killed", "copies-kept-first-participant-killed",
+                              "sync-quorum-first-participant-killed"])
 def test_a_peer_lost_before_the_buffers_sync_costs_the_survivors_no_step(processes, tmp_path, env, first) -> None:
     """A model with BatchNorm: before the vote every group takes the first participant's running stats (one
     SUM reduction). The loss reaches the survivors after the gradients' reductions completed and before that
@@ -398,10 +400,11 @@ def test_a_peer_lost_before_the_buffers_sync_costs_the_survivors_no_step(process
 
     The buffers the survivors take are the first surviving participant's own, also when the dead group was
     the first participant (its replica id sorts first): until 2026-12-07 the replay re-sent the inputs made
-    for the old quorum, in which every survivor sent zeros, and the survivors' running stats became zeros."""
+    for the old quorum, in which every survivor sent zeros, and the survivors' running stats became zeros.
+    The same with a synchronous quorum (coverage)."""
     extra = ["--batchnorm"] + (["--sort-first", str(VICTIM)] if first else [])
     job, kill_step = run_kill(processes, tmp_path, "reduced", hold=False, hold_vote=True, env=env, extra=extra)
-    assert_buffers_sync_redone(job, kill_step, kept=not env)
+    assert_buffers_sync_redone(job, kill_step, kept="FT_REDO_COPY" not in env)
 
 
 def assert_buffers_sync_redone(job: Job, kill_step: int, kept: bool) -> None:
