@@ -31,12 +31,14 @@ What can be redone (the copy policy):
   delivered from the parameters' .grad, which DDP overwrites only once that bucket's future is done;
   for a group of one rank and DDP's default gradient_as_bucket_view=False): a peer killed during the
   forward pass or mid-reduction. Not redone in this mode: a reduction that completed with the dead
-  peer before another failed, a failed one that nothing can rebuild (a user `manager.allreduce`), a
-  timeout.
+  peer before another failed while the loss was not yet known (after it is known, see above), a failed
+  one that nothing can rebuild (a user `manager.allreduce`), a timeout.
 - `Manager.allreduce(..., keep_input=True)`: that reduction's input is copied before it is sent, for a
   caller that cannot rebuild it (ft_core.diloco's pseudo-gradients, ft_core.local_sgd's parameters, a
-  value Lightning logs with sync_dist, and the buffers the Manager syncs before the vote): one copy of
-  that tensor, in a buffer reused every step.
+  value Lightning logs with sync_dist): one copy of that tensor, in a buffer reused every step.
+- `issue(..., refill=)`: an input that depends on the quorum is made again for the new one before a replay
+  sends it (the buffers' broadcast before the vote: the first participant sends its buffers, the others
+  zeros; ft_core.buffers), with no copy.
 - `FT_REDO_COPY=1`: every reduction's input is copied before it is sent, so those are redoable too.
   Memory bound: one extra copy of everything reduced across groups in one step (the gradients: the
   model's trainable parameter bytes, per rank), in buffers reused every step; cost: one memcpy of the
