@@ -59,8 +59,11 @@ def assert_reduced_is_the_mean(rows: list[dict[str, Any]], groups: int, ranks: i
 
 
 @pytest.mark.timeout(180)
+# 2 groups of 2 ranks with a plain backward: in the slow tier (~25 s), as the mixed-paths variant below runs
+# both backward paths with two ranks in every suite (the suite stays within 15 minutes)
 @pytest.mark.parametrize("groups, nproc, extra", [(3, 1, []), (3, 1, ["--plain-backward"]), (2, 2, []),
-                                                  (2, 2, ["--plain-backward"]), (2, 2, ["--torchft-wrapper"]),
+                                                  pytest.param(2, 2, ["--plain-backward"], marks=pytest.mark.slow),
+                                                  (2, 2, ["--torchft-wrapper"]),
                                                   (3, 1, ["--sync-quorum", "--mix-backward"]),
                                                   (2, 2, ["--sync-quorum", "--mix-backward"])],
                          ids=["3-groups", "3-groups-plain-backward", "2-groups-of-2-ranks",

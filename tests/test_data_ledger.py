@@ -429,7 +429,8 @@ def _drive(gs: list[LedgerGroup], rng: random.Random, kills: int, timeout: float
 @pytest.mark.parametrize("variant, kills, epochs, extra, nproc", [
     # the default tier: the promise with fewer kills and epochs (each restart costs seconds on 2 cores)
     ("one process per group", 4, 5, ["--step-sleep", "0.1"], 1),
-    ("num_workers=2", 3, 4, ["--step-sleep", "0.1", "--workers", "2"], 1),
+    # loader workers: in the slow tier here (~30 s); tests/test_accelerate_data.py runs them in every suite
+    pytest.param("num_workers=2", 3, 4, ["--step-sleep", "0.1", "--workers", "2"], 1, marks=pytest.mark.slow),
     ("2 ranks per group", 3, 4, ["--step-sleep", "0.25"], 2),
     # the synchronous quorum: a heal is loaded at the quorum and the step trains from the healed position
     ("sync quorum", 3, 4, ["--step-sleep", "0.1", "--sync-quorum"], 1),

@@ -357,6 +357,7 @@ def test_a_group_restarted_on_a_machine_without_the_checkpoints_heals_from_a_liv
     assert torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=False)["ft_manager"]["step"] == steps
 
 
+@pytest.mark.slow  # ~15 s; the kill test below checks the same 2 x 2 job (weights, samplers) in every suite
 @pytest.mark.timeout(150)
 def test_two_groups_two_devices_identical_weights(processes, lighthouse, tmp_path):
     """2 groups x 2 devices (gloo inside each group): every rank of every group ends identical."""
