@@ -7,9 +7,8 @@ Trains a small MLP (two fragments) on per-group synthetic data; after each fragm
 "reduction" (instead of issuing this group's first pseudo-gradient reduction of a sync all three
 groups take part in, while the peers' are in flight) or "heal" (this group's quorum says it heals:
 killed before fetching). Every redo the Manager reports is printed as a line `redo {event}`.
-Once --stop-file holds a step
-number, the group stops after the sync that reaches it and writes --final: its step, global
-copies and outer optimizer state (exact values, to compare across groups).
+Once --stop-file holds a step number, the group stops after the sync that reaches it and writes
+--final: its step, global copies and outer optimizer state (exact values, to compare across groups).
 """
 
 from __future__ import annotations
