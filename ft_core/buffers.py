@@ -7,7 +7,7 @@ runs over the fault-tolerant process group like any reduction, errors and vote g
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch.distributed import ReduceOp
@@ -42,7 +42,7 @@ def broadcast_by_sum(tensors: list[torch.Tensor], root: Callable[[], bool], redu
                 offset += t.numel()
 
 
-def _fill(flat: torch.Tensor, group: list[torch.Tensor], root: Callable[[], Any]) -> None:
+def _fill(flat: torch.Tensor, group: list[torch.Tensor], root: Callable[[], bool]) -> None:
     """`flat` as this group sends it in the current quorum: its own values at the root, else zeros."""
     if root():
         torch.cat([t.detach().reshape(-1) for t in group], out=flat)
