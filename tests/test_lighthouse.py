@@ -504,7 +504,8 @@ def test_restart_on_same_port_keeps_quorum_ids_increasing() -> None:
             again = client.quorum(QuorumMember("a", last_quorum_id=seen), 10 * SECOND)
             assert again.quorum_id > seen
             wait_for(lambda: (member_of(status_of(second), "a") or {}).get("stream"), 10, "the stream to reconnect")
-            assert stream.connected
+            # the lighthouse lists the stream at its first request; the client calls it connected at the first answer
+            assert stream.wait_connected(10), "the stream reconnected on the lighthouse's side but was never answered"
 
 
 def test_client_fails_over_when_the_first_address_is_dead(lighthouse: LighthouseServer) -> None:
