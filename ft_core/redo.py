@@ -19,10 +19,10 @@ Where (`resolve`):
 
 A peer lost after every collective the step sent had completed fails nothing: the values hold its
 contribution, as its own commit did, and stand (`on_peer_lost`); only a collective issued after the loss
-fails the step (`skipped`). The redo then re-issues every reduction when it can, else only those issued
-after the loss, while the ones before stand (`_replay_start`: DDP's delivered gradients with the BatchNorm
-buffers' sync or a loss averaged after them); the survivors agree on where their replays start before
-either issues one (`_agree`).
+fails the step (`skipped`). The redo then re-issues every reduction when it can, else only those from the
+first that did not complete, while the ones before stand (`_replay_start`: DDP's delivered gradients, with
+the BatchNorm buffers' sync or a loss averaged after them, or with the later chunks of a peer killed
+mid-reduction); the survivors agree on where their replays start before either issues one (`_agree`).
 
 What can be redone (the copy policy):
 - default (`FT_REDO_COPY=0`), at no cost on the healthy path: a reduction that was never handed to a
@@ -30,9 +30,10 @@ What can be redone (the copy policy):
   sent and failed is rebuilt when its integration can (`restore`: ft_core.ddp refills a chunk not yet
   delivered from the parameters' .grad, which DDP overwrites only once that bucket's future is done;
   for a group of one rank and DDP's default gradient_as_bucket_view=False): a peer killed during the
-  forward pass or mid-reduction. Not redone in this mode: a reduction that completed with the dead
-  peer before another failed while the loss was not yet known (after it is known, see above), a failed
-  one that nothing can rebuild (a user `manager.allreduce`), a timeout.
+  forward pass or mid-reduction. A chunk DDP already delivered stands with the dead peer's share while
+  the chunks after it are redone, when every survivor completed the same ones (else the step fails).
+  Not redone in this mode: a failed reduction that nothing can rebuild (a user `manager.allreduce`),
+  a timeout.
 - `Manager.allreduce(..., keep_input=True)`: that reduction's input is copied before it is sent, for a
   caller that cannot rebuild it (ft_core.diloco's pseudo-gradients, ft_core.local_sgd's parameters, a
   value Lightning logs with sync_dist): one copy of that tensor, in a buffer reused every step.
@@ -252,30 +253,45 @@ def _replay_at_wait(m: "Manager") -> None:
 def _replay_start(log: ReductionLog) -> int | None:
     """The first reduction this survivor's replay re-issues (first attempts settled; lock held), None if it
     cannot redo the step. 0, every reduction (inputs rebuilt where their integration can, a completed one
-    too: the sampler's votes, a DDP chunk not yet delivered), as long as it can. Otherwise, if the loss
-    reached it after every reduction it had sent completed (`log.kept`), the first one issued after the
-    loss: those before hold the lost group's contribution and stand, as they would with nothing issued
-    after the loss (`on_peer_lost`); DDP's delivered gradients are such. A completed input is rebuilt
-    last first, so the first that cannot be leaves the ones before it as they completed."""
+    too: the sampler's votes, a DDP chunk not yet delivered), as long as it can. Otherwise the first one that
+    did not complete: those before hold the lost group's contribution and stand. If the loss reached this
+    survivor after every reduction it had sent completed (`log.kept`), that is the first one issued after the
+    loss, and they stand as they would with nothing issued after it (`on_peer_lost`); DDP's delivered
+    gradients are such. If the loss came mid-reduction, the first one that failed: only values that cannot
+    be rebuilt stand then (DDP's delivered chunks, a value nothing rebuilds), never beside one that can (the
+    sampler's votes), whose redo would leave out the dead group's data while its gradients stood in part.
+    A completed input is rebuilt last first, so the first that cannot be leaves the ones before it as they
+    completed."""
     records = log.records
     done = [r.completed for r in records]
-    kept = done.index(False) if log.kept and False in done else 0
-    if any(done[kept:]):  # a completed one after a failed one: the values do not split at the loss
-        kept = 0
-    for rec in records[kept:]:  # replayed in any case
+    split = done.index(False) if False in done else 0
+    if any(done[split:]):  # a completed one after a failed one: the values do not split there
+        split = 0
+    for rec in records[split:]:  # replayed in any case
         if not rec.recoverable and rec.restore is not None:
             _restore(rec)
-    if not all(r.recoverable for r in records[kept:]):
+    if not all(r.recoverable for r in records[split:]):
         return None
     rebuilt = False
-    for rec in reversed(records[:kept]):
+    standing = records[:split]
+    for i in reversed(range(split)):
+        rec = standing[i]
         if rec.recoverable:
             continue
         if rec.restore is not None:
             _restore(rec)
-        if not rec.recoverable:
-            return None if rebuilt else kept
-        rebuilt = True
+        if rec.recoverable:
+            rebuilt = True
+            continue
+        if rebuilt:
+            return None
+        if not log.kept:  # mid-reduction: whatever stands before it must be as impossible to rebuild
+            for earlier in standing[:i]:
+                if earlier.restore is not None and not earlier.recoverable:
+                    _restore(earlier)
+                if earlier.recoverable:
+                    return None
+        return split
     return 0
 
 

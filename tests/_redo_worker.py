@@ -3,8 +3,11 @@ ft_core DDP + OptimizerWrapper, AdamW, each group its own data. The test steers 
 
 - `<workdir>/g<N>.kill` holding `POINT:STEP`: SIGKILL self at POINT of step STEP (or later):
   `forward` (after the step's quorum is issued, before the forward pass), `allreduce` (instead of
-  issuing the step's first cross-group reduction, while the peers' are in flight), `reduced` (after the
-  backward pass: every reduction of the step completed, before the vote) or `vote` (after the group's vote).
+  issuing the step's first cross-group reduction, while the peers' are in flight), `second-allreduce`
+  (instead of issuing its second, once the first completed everywhere: with --bucket-cap-mb, a DDP
+  chunk delivered while a later one is in flight; it first writes `g<N>.dying.json`, its own
+  `param_sums`), `reduced` (after the backward pass: every reduction of the step completed, before the
+  vote) or `vote` (after the group's vote).
   `stall` kills nothing: at the `allreduce` point it writes `g<N>.stalled` (the step) and waits (at most
   90 s) while the file still says `stall`, then issues the reduction (the test cuts the host meanwhile);
 - `<workdir>/hold` holding `STEP`: at the start of the forward pass of that step (or the first one after), wait (at most 20 s)
@@ -30,6 +33,9 @@ or as a plain `loss.backward()` with --plain-backward. Every step also records f
 projections of this group's own gradient (`local`, from a copy of the model) and of the reduced one
 (`reduced`, right after backward): the reduction is linear, so `reduced` is the mean of the
 participants' `local`.
+
+With --bucket-cap-mb the DDP chunks are that small (several chunks), and each step also records the sum of
+each parameter's own gradient (`param_sums`, from the copy) and of its reduced one (`reduced_param_sums`).
 
 With --batchnorm each step also records the BatchNorm layer's running stats (their sums) before the
 vote's sync (`own_buffers`) and after it (`buffers`); --sort-first N gives group N the replica id `aN`, so it
@@ -118,6 +124,7 @@ def main() -> int:
     p.add_argument("--loss-first", action="store_true", help="with --read-reduced: reduce the loss before backward")
     p.add_argument("--max-norm", type=float, default=0.05)
     p.add_argument("--plain-backward", action="store_true", help="loss.backward() instead of ddp.backward(loss)")
+    p.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP's bucket cap: several chunks when small")
     p.add_argument("--batchnorm", action="store_true", help="a BatchNorm layer: running stats synced at the vote")
     p.add_argument("--sort-first", type=int, default=-1,
                    help="this group's replica id sorts before the others' ('a<N>'): participating rank 0, the "
@@ -152,7 +159,8 @@ def main() -> int:
                       store_addr=store_host or None, store_port=int(store_port) if store_port else None,
                       timeout=timedelta(seconds=args.timeout),
                       quorum_timeout=timedelta(seconds=30), connect_timeout=timedelta(seconds=30))
-    ddp = DistributedDataParallel(manager, model)
+    ddp = DistributedDataParallel(manager, model, **({} if args.bucket_cap_mb is None else
+                                                     {"bucket_cap_mb": args.bucket_cap_mb}))
     optimizer = OptimizerWrapper(manager, inner)
     shadow = copy.deepcopy(model)
     numel = sum(q.numel() for q in model.parameters())
@@ -160,6 +168,9 @@ def main() -> int:
 
     def projections(grads: list[torch.Tensor]) -> list[float]:
         return (directions @ torch.cat([g.reshape(-1) for g in grads]).double()).tolist()
+
+    def sums(grads: list[torch.Tensor]) -> list[float]:
+        return [float(g.double().sum()) for g in grads]
     kill_file, hold_file = os.path.join(args.workdir, f"g{args.group}.kill"), os.path.join(args.workdir, "hold")
 
     def armed(point: str, at: int | None = None) -> bool:
@@ -193,20 +204,29 @@ def main() -> int:
             time.sleep(0.005)
 
     held: list[int] = []
+    seen: dict = {}  # what this step records (its row), read by a kill that writes it first
     hold_vote_at, held_vote = "", False  # the hold_vote file's step, read once (the test removes the file)
     ddp.register_forward_pre_hook(before_forward)
     issue = manager.allreduce
+    issued: list = []  # this step's reductions: [(step, work)]
 
     def check_then_allreduce(tensor: torch.Tensor, *a: object, **kw: object) -> object:
         if armed("allreduce"):
             time.sleep(0.05)  # the peers' reductions are in flight, waiting for ours: it never comes
             die("allreduce")
+        issued[:] = [i for i in issued if i[0] == manager.current_step()]
+        if armed("second-allreduce") and len(issued) == 1:
+            issued[0][1].wait()  # the first completed here, so every group sent its share
+            write_text(os.path.join(args.workdir, f"g{args.group}.dying.json"), json.dumps(seen))
+            time.sleep(0.2)  # the peers' first delivered, their second in flight, waiting for ours
+            die("second-allreduce")
         if armed("stall"):
             write_text(os.path.join(args.workdir, f"g{args.group}.stalled"), str(manager.current_step()))
             deadline = time.monotonic() + 90
             while read(kill_file).startswith("stall") and time.monotonic() < deadline:
                 time.sleep(0.02)
         work = issue(tensor, *a, **kw)
+        issued.append((manager.current_step(), work))
         slow = read(os.path.join(args.workdir, "slow_issue"))
         if slow and manager.current_step() == int(slow):
             time.sleep(0.3)  # as if preempted right after issuing: the peer's loss lands before our next line
@@ -237,11 +257,13 @@ def main() -> int:
         weight = sampler.loss_weight() if sampler is not None else 1.0
         if sampler is not None:
             loss = loss * weight
-        seen: dict = {}
+        seen.clear()
         shadow.load_state_dict(model.state_dict())
         shadow.zero_grad()
         (F.cross_entropy(shadow(x), y) * weight).backward()
         seen["local"] = projections([q.grad for q in shadow.parameters()])
+        if args.bucket_cap_mb is not None:
+            seen["param_sums"] = sums([q.grad for q in shadow.parameters()])
         if args.read_reduced and args.loss_first:
             seen["loss"], seen["reduced_loss"] = reduced_loss(manager, loss)
         if args.plain_backward:
@@ -249,6 +271,8 @@ def main() -> int:
         else:
             ddp.backward(loss)
         seen["reduced"] = projections([q.grad for q in model.parameters()])
+        if args.bucket_cap_mb is not None:
+            seen["reduced_param_sums"] = sums([q.grad for q in model.parameters()])
         if armed("reduced"):
             survivors_reduced()
             die("reduced")

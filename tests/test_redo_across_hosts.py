@@ -132,8 +132,8 @@ def test_on_simulated_hosts_the_first_participant_lost_before_the_buffers_sync_c
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("env", [pytest.param({}, marks=pytest.mark.slow), {"FT_REDO_STEP": "1", "FT_REDO_COPY": "1"}],
-                         ids=["kept", "redo-at-vote"])
+@pytest.mark.slow  # ~45 s each; on loopback in every suite: tests/test_redo_step.py's groups of two ranks
+@pytest.mark.parametrize("env", [{}, {"FT_REDO_STEP": "1", "FT_REDO_COPY": "1"}], ids=["kept", "redo-at-vote"])
 def test_on_simulated_hosts_groups_of_two_ranks_keep_or_redo_a_step_whose_peer_was_lost(simulated_hosts, tmp_path,
                                                                                         env) -> None:
     """kept: the loss lands after the gradients' reductions and before the vote; both ranks of each survivor

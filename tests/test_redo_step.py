@@ -268,6 +268,33 @@ def test_a_group_killed_mid_reduction_costs_the_survivors_no_step(processes, tmp
 
 
 @pytest.mark.timeout(120)
+def test_a_group_killed_between_two_ddp_chunks_keeps_the_delivered_one_and_redoes_the_other(processes,
+                                                                                         tmp_path) -> None:
+    """Default mode, DDP in two chunks: the dead group sent the first, which every survivor completed and DDP
+    delivered (its input, the local gradients, is gone), and never the second, which failed in flight. The
+    first stands with the dead group's share and the survivors redo the second alone: each parameter's reduced
+    gradient is the mean of three groups' (the first chunk) or of the two survivors' (the second). Before, the
+    step was lost: nothing could rebuild the delivered chunk, and the replay had to start at the first."""
+    job, kill_step = run_kill(processes, tmp_path, "second-allreduce", hold=False, env={},
+                              extra=["--bucket-cap-mb", "0.004"])
+    assert_no_step_lost(job, kill_step)
+    with open(os.path.join(job.workdir, f"g{VICTIM}.dying.json")) as f:
+        dead = json.load(f)["param_sums"]
+    rows = [next(r for r in job.steps(g) if r["step"] == kill_step) for g in SURVIVORS]
+    own = [[r["param_sums"][i] for r in rows] for i in range(len(dead))]
+    means = [{3: (sum(own[i]) + dead[i]) / 3, 2: sum(own[i]) / 2} for i in range(len(dead))]
+    for row in rows:
+        shares = [next((n for n, mean in means[i].items() if got == pytest.approx(mean, rel=1e-4, abs=1e-7)), None)
+                  for i, got in enumerate(row["reduced_param_sums"])]
+        # parameters (weight, bias) of the 3 layers; chunks in launch order: layers 3 and 2, then layer 1
+        assert shares == [2, 2, 3, 3, 3, 3], (shares, row, means)
+    for g in SURVIVORS:
+        redo = next(e for e in job.events(g) if e["type"] == "redo")
+        assert redo["kept"] == 1, redo
+    assert_identical(job)
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("extra", [[], ["--exactly-once"]], ids=["gradients", "the-sampler-s-votes"])
 def test_a_reduction_that_fails_before_its_caller_takes_the_next_line_is_still_redone(processes, tmp_path,
                                                                                       extra) -> None:
@@ -594,10 +621,12 @@ def test_a_redo_replays_only_when_every_member_of_its_quorum_redoes_the_same_att
         assert rules.redo_role(state, both[0], ids, attempt + 1) is rules.RedoRole.ABANDON  # another attempt
 
 
-def test_a_replay_starts_at_the_first_reduction_issued_after_the_loss_only_when_everything_cannot_be_redone() -> None:
+def test_a_replay_starts_at_the_first_reduction_that_did_not_complete_only_when_everything_cannot_be_redone() -> None:
     """ft_core.redo._replay_start: every reduction again while it can (a completed input rebuilt, as the
-    sampler's votes); else, when the loss came after every sent reduction completed (`kept`), the ones issued
-    after it; a completed input is rebuilt last first, so one that cannot be leaves those before untouched."""
+    sampler's votes); else the ones from the first that did not complete: issued after the loss, when it came
+    after every sent reduction completed (`kept`), or the first that failed, when it came mid-reduction (then
+    only values that cannot be rebuilt stand); a completed input is rebuilt last first, so one that cannot be
+    leaves those before untouched."""
     calls: list[str] = []
 
     def sent(name: str, completed: bool, rebuilds: bool | None) -> Reduction:
@@ -615,7 +644,16 @@ def test_a_replay_starts_at_the_first_reduction_issued_after_the_loss_only_when_
     buffers = Reduction(torch.zeros(2), ReduceOp.SUM, intact=False, failed=True, refill=lambda: None)
     delivered = sent("grads", True, False)  # DDP: a delivered chunk cannot be rebuilt
     assert start(True, delivered, buffers) == 1 and calls == ["grads"]
-    assert start(False, sent("grads", True, False), buffers) is None  # the loss came mid-reduction: no split
+    calls.clear()
+    # the loss came mid-reduction: a delivered chunk stands, the failed one after it is redone
+    assert start(False, sent("grads", True, False), buffers) == 1 and calls == ["grads"]
+    calls.clear()
+    # ... but never beside a completed value that can be rebuilt (the sampler's votes)
+    assert start(False, sent("votes", True, True), sent("grads", True, False), buffers) is None
+    assert calls == ["grads", "votes"]
+    calls.clear()
+    loss = Reduction(torch.zeros(2), ReduceOp.SUM, first=torch.futures.Future(), intact=False)  # nothing rebuilds it
+    assert start(False, loss, sent("grads", True, False), buffers) == 2 and calls == ["grads"]
     calls.clear()
     assert start(True, sent("votes", True, True), sent("grads", True, False), skipped) == 2
     assert calls == ["grads"]  # the votes were left as they completed
