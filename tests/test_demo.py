@@ -207,7 +207,7 @@ def test_tail_returns_whole_lines_only_and_skips_torn_ones(tmp_path):
 @pytest.mark.timeout(150)
 def test_demo_survives_failures_and_ends_with_identical_weights(tmp_path, processes):
     out = tmp_path / "demo"
-    proc = processes.spawn([sys.executable, "-m", "ft_core.tools.cli", "demo", "--duration", "24", "--kill-every", "6",
+    proc = processes.spawn([sys.executable, "-m", "ft_core.tools.cli", "demo", "--duration", "18", "--kill-every", "5",
                             "--out", str(out)], env=child_env(COLUMNS="120"), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
     text = communicate_or_interrupt(proc, 130)
