@@ -268,15 +268,20 @@ def test_a_group_killed_mid_reduction_costs_the_survivors_no_step(processes, tmp
 
 
 @pytest.mark.timeout(120)
-def test_a_group_killed_between_two_ddp_chunks_keeps_the_delivered_one_and_redoes_the_other(processes,
-                                                                                         tmp_path) -> None:
+@pytest.mark.parametrize("env, extra", [({}, []), pytest.param({}, ["--plain-backward"], marks=pytest.mark.slow),
+                                        pytest.param({"FT_ASYNC_QUORUM": "0"}, [], marks=pytest.mark.slow)],
+                         ids=["default", "plain-backward", "sync-quorum"])
+def test_a_group_killed_between_two_ddp_chunks_keeps_the_delivered_one_and_redoes_the_other(processes, tmp_path,
+                                                                                         env, extra) -> None:
     """Default mode, DDP in two chunks: the dead group sent the first, which every survivor completed and DDP
     delivered (its input, the local gradients, is gone), and never the second, which failed in flight. The
     first stands with the dead group's share and the survivors redo the second alone: each parameter's reduced
     gradient is the mean of three groups' (the first chunk) or of the two survivors' (the second). Before, the
-    step was lost: nothing could rebuild the delivered chunk, and the replay had to start at the first."""
-    job, kill_step = run_kill(processes, tmp_path, "second-allreduce", hold=False, env={},
-                              extra=["--bucket-cap-mb", "0.004"])
+    step was lost: nothing could rebuild the delivered chunk, and the replay had to start at the first.
+    The same with a plain loss.backward() (the redo's average divides after the sum) and with a synchronous
+    quorum, both in the slow tier (FT_RUN_SLOW=1)."""
+    job, kill_step = run_kill(processes, tmp_path, "second-allreduce", hold=False, env=env,
+                              extra=["--bucket-cap-mb", "0.004", *extra])
     assert_no_step_lost(job, kill_step)
     with open(os.path.join(job.workdir, f"g{VICTIM}.dying.json")) as f:
         dead = json.load(f)["param_sums"]
