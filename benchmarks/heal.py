@@ -17,8 +17,9 @@
     start costs.
 (c) The commit vote's cost in steady state (should_commit wall time, one rank per group).
 (d) Survivors' steps lost per peer SIGKILL (`--kills N`, issue 15): three groups train the same MLP;
-    one is SIGKILLed N times, alternately during its forward pass and right after issuing its first
-    gradient reduction, and restarted after each kill. A survivor's step is lost when its vote fails
+    one is SIGKILLed N times, in turn during its forward pass, right after issuing its first gradient
+    reduction, and between DDP's two chunks (instead of issuing the second, once the first completed
+    everywhere: the survivors' first is delivered, their second in flight), and restarted after each kill. A survivor's step is lost when its vote fails
     between the kill and its next two commits; counted for redo off (FT_REDO_STEP=0), redo on (the
     default for groups of one rank: redone where the failed reduction is waited on, from inputs never
     sent or rebuilt from the gradients) and redo with copies (FT_REDO_COPY=1).
@@ -355,7 +356,7 @@ def _vote_cost(quick: bool) -> dict[str, Any]:
 
 REDO_MODES: dict[str, dict[str, str]] = {"redo_off": {"FT_REDO_STEP": "0"}, "redo_on": {},  # on is the default
                                          "redo_copy": {"FT_REDO_COPY": "1"}}
-KILL_POINTS = ("forward", "allreduce")
+KILL_POINTS = ("forward", "allreduce", "between_chunks")
 
 
 def _failed_votes(group: Any) -> int:

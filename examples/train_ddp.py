@@ -43,7 +43,7 @@ from ft_core.manager import Manager, WorldSizeMode  # noqa: E402
 from ft_core.optim import OptimizerWrapper  # noqa: E402
 from ft_core.process_groups import ProcessGroupGloo  # noqa: E402
 
-KILL_POINTS = ("forward", "allreduce", "should_commit", "send_checkpoint", "serve_checkpoint")
+KILL_POINTS = ("forward", "allreduce", "between_chunks", "should_commit", "send_checkpoint", "serve_checkpoint")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -149,9 +149,19 @@ def install_kill(switch: KillSwitch, manager: Manager, ddp: torch.nn.Module) -> 
     """Hook the kill switch into the four points of a step, and into a healer's fetch from this source."""
     ddp.register_forward_pre_hook(lambda *_: switch.check("forward"))
     issue = manager._allreduce_future
+    issued: list[tuple[int, torch.futures.Future]] = []  # this step's reductions so far
 
     def issue_then_check(tensor: torch.Tensor, op: object = dist.ReduceOp.AVG, **kw: object) -> torch.futures.Future:
+        issued[:] = [i for i in issued if i[0] == manager.current_step()]
+        if len(issued) == 1 and switch.armed("between_chunks"):  # instead of the second: the first done everywhere
+            try:
+                issued[0][1].wait()
+            except Exception:  # noqa: BLE001 - it failed: the point is missed, the step goes on
+                pass
+            time.sleep(0.2)  # the peers' first is delivered, their second waits for ours
+            switch.check("between_chunks")
         fut = issue(tensor, op, **kw)
+        issued.append((manager.current_step(), fut))
         switch.check("allreduce")
         return fut
 

@@ -121,7 +121,7 @@ class Group:
         return self.proc
 
     def arm_kill(self, point: str) -> None:
-        """SIGKILL the group at the next `point` (forward, allreduce, should_commit, send_checkpoint,
+        """SIGKILL the group at the next `point` (forward, allreduce, between_chunks, should_commit, send_checkpoint,
         serve_checkpoint: when a healer's request reaches this source)."""
         with open(self.kill_file + ".tmp", "w") as f:
             f.write(point)
