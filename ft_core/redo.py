@@ -257,42 +257,39 @@ def _replay_start(log: ReductionLog) -> int | None:
     did not complete: those before hold the lost group's contribution and stand. If the loss reached this
     survivor after every reduction it had sent completed (`log.kept`), that is the first one issued after the
     loss, and they stand as they would with nothing issued after it (`on_peer_lost`); DDP's delivered
-    gradients are such. If the loss came mid-reduction, the first one that failed: only values that cannot
-    be rebuilt stand then (DDP's delivered chunks, a value nothing rebuilds), never beside one that can (the
-    sampler's votes), whose redo would leave out the dead group's data while its gradients stood in part.
-    A completed input is rebuilt last first, so the first that cannot be leaves the ones before it as they
-    completed."""
+    gradients are such; a completed input is then rebuilt last first, so the first that cannot be leaves the
+    ones before it as they completed. If the loss came mid-reduction, the first one that failed: only values
+    that cannot be rebuilt stand then (DDP's delivered chunks, a value nothing rebuilds), never beside one
+    that can (the sampler's votes), whose redo would leave out the dead group's data while its gradients
+    stood in part."""
     records = log.records
     done = [r.completed for r in records]
     split = done.index(False) if False in done else 0
     if any(done[split:]):  # a completed one after a failed one: the values do not split there
         split = 0
-    for rec in records[split:]:  # replayed in any case
-        if not rec.recoverable and rec.restore is not None:
-            _restore(rec)
-    if not all(r.recoverable for r in records[split:]):
+    if not all(_rebuild(records[split:])):  # replayed in any case
         return None
+    if not log.kept:  # mid-reduction: every reduction again, or only values nothing can rebuild stand
+        again = _rebuild(records[:split])
+        return 0 if all(again) else None if any(again) else split
     rebuilt = False
-    standing = records[:split]
-    for i in reversed(range(split)):
-        rec = standing[i]
+    for rec in reversed(records[:split]):
         if rec.recoverable:
             continue
         if rec.restore is not None:
             _restore(rec)
-        if rec.recoverable:
-            rebuilt = True
-            continue
-        if rebuilt:
-            return None
-        if not log.kept:  # mid-reduction: whatever stands before it must be as impossible to rebuild
-            for earlier in standing[:i]:
-                if earlier.restore is not None and not earlier.recoverable:
-                    _restore(earlier)
-                if earlier.recoverable:
-                    return None
-        return split
+        if not rec.recoverable:
+            return None if rebuilt else split
+        rebuilt = True
     return 0
+
+
+def _rebuild(records: list[Reduction]) -> list[bool]:
+    """Each of `records` made redoable where its integration can (`restore`); whether each is now."""
+    for rec in records:
+        if not rec.recoverable and rec.restore is not None:
+            _restore(rec)
+    return [rec.recoverable for rec in records]
 
 
 def _agree(m: "Manager", start: int, device: torch.device) -> bool:
