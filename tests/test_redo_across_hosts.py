@@ -5,6 +5,7 @@ comes from the route toward the lighthouse; Gloo, the heartbeat streams and the 
 
 - A group SIGKILLed mid-reduction: the survivors redo the step without it (docs/guarantees.md "Redone
   steps"), as on loopback.
+- A group killed between DDP's two chunks (slow tier): the first chunk stands, the second is redone.
 - A group lost after the step's reductions completed: the survivors keep the values they hold and commit
   the step with 3 participants (the kept-values rule, 19182c5), as on loopback. With BatchNorm, the first
   participant lost before the buffers' sync: the survivors redo only the sync (2 participants).
@@ -34,9 +35,11 @@ from conftest import child_env
 from test_push_failures import lighthouse_on_host_0
 from test_redo_step import (
     SURVIVORS,
+    TWO_CHUNKS,
     VICTIM,
     Job,
     assert_buffers_sync_redone,
+    assert_first_chunk_kept_second_redone,
     assert_identical,
     assert_kept_with_the_dead_group_s_contribution,
     assert_no_step_lost,
@@ -112,6 +115,15 @@ def test_on_simulated_hosts_a_group_killed_mid_reduction_costs_the_survivors_no_
     assert_no_step_lost(job, kill_step)
     assert_reduced_is_the_participants_mean(job, kill_step)
     assert_identical(job)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.slow  # ~15 s; on loopback in every suite, and the survivors' agreement crosses the bridge below too
+def test_on_simulated_hosts_a_group_killed_between_two_ddp_chunks_costs_the_survivors_no_step(simulated_hosts,
+                                                                                             tmp_path) -> None:
+    """The first chunk, delivered everywhere, stands; the survivors agree across the bridge to redo the second."""
+    _, job = job_on_hosts(simulated_hosts, tmp_path, {}, TWO_CHUNKS)
+    assert_first_chunk_kept_second_redone(job, kill_and_restart(job, "second-allreduce", hold=False))
 
 
 @pytest.mark.timeout(150)

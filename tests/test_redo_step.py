@@ -281,7 +281,17 @@ def test_a_group_killed_between_two_ddp_chunks_keeps_the_delivered_one_and_redoe
     The same with a plain loss.backward() (the redo's average divides after the sum) and with a synchronous
     quorum, both in the slow tier (FT_RUN_SLOW=1)."""
     job, kill_step = run_kill(processes, tmp_path, "second-allreduce", hold=False, env=env,
-                              extra=["--bucket-cap-mb", "0.004", *extra])
+                              extra=[*TWO_CHUNKS, *extra])
+    assert_first_chunk_kept_second_redone(job, kill_step)
+
+
+TWO_CHUNKS = ["--bucket-cap-mb", "0.004"]  # the worker's DDP in two chunks: layers 3 and 2, then layer 1
+
+
+def assert_first_chunk_kept_second_redone(job: Job, kill_step: int) -> None:
+    """No step lost; on each survivor every parameter's reduced gradient (its sum) is the mean of the three
+    groups' own in the first chunk and of the two survivors' in the second; one reduction stood; every group
+    holds the same state after every step."""
     assert_no_step_lost(job, kill_step)
     with open(os.path.join(job.workdir, f"g{VICTIM}.dying.json")) as f:
         dead = json.load(f)["param_sums"]
@@ -291,8 +301,7 @@ def test_a_group_killed_between_two_ddp_chunks_keeps_the_delivered_one_and_redoe
     for row in rows:
         shares = [next((n for n, mean in means[i].items() if got == pytest.approx(mean, rel=1e-4, abs=1e-7)), None)
                   for i, got in enumerate(row["reduced_param_sums"])]
-        # parameters (weight, bias) of the 3 layers; chunks in launch order: layers 3 and 2, then layer 1
-        assert shares == [2, 2, 3, 3, 3, 3], (shares, row, means)
+        assert shares == [2, 2, 3, 3, 3, 3], (shares, row, means)  # (weight, bias) of layers 1, 2, 3
     for g in SURVIVORS:
         redo = next(e for e in job.events(g) if e["type"] == "redo")
         assert redo["kept"] == 1, redo
