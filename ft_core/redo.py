@@ -25,15 +25,17 @@ the BatchNorm buffers' sync or a loss averaged after them, or with the later chu
 mid-reduction); the survivors agree on where their replays start before either issues one (`_agree`).
 
 What can be redone (the copy policy):
-- default (`FT_REDO_COPY=0`), at no cost on the healthy path: a reduction that was never handed to a
-  collective (the group was already broken when it was issued) still holds its input; one that was
+- default (`FT_REDO_COPY=0`), at no cost on the healthy path but copies of small inputs: a reduction
+  that was never handed to a collective (the group was already broken when it was issued) still holds
+  its input; one that was
   sent and failed is rebuilt when its integration can (`restore`: ft_core.ddp refills a chunk not yet
   delivered from the parameters' .grad, which DDP overwrites only once that bucket's future is done;
   for a group of one rank and DDP's default gradient_as_bucket_view=False): a peer killed during the
   forward pass or mid-reduction. A chunk DDP already delivered stands with the dead peer's share while
   the chunks after it are redone, when every survivor completed the same ones (else the step fails).
-  Not redone in this mode: a failed reduction that nothing can rebuild (a user `manager.allreduce`),
-  a timeout.
+  An input of at most 1 KiB that nothing rebuilds (a loss or metric the loop averages) is copied
+  (`KEEP_SMALL_BYTES`). Not redone in this mode: a larger failed reduction that nothing can rebuild (a
+  user `manager.allreduce` without keep_input), a timeout.
 - `Manager.allreduce(..., keep_input=True)`: that reduction's input is copied before it is sent, for a
   caller that cannot rebuild it (ft_core.diloco's pseudo-gradients, ft_core.local_sgd's parameters, a
   value Lightning logs with sync_dist): one copy of that tensor, in a buffer reused every step.
@@ -257,11 +259,10 @@ def _replay_start(log: ReductionLog) -> int | None:
     did not complete: those before hold the lost group's contribution and stand. If the loss reached this
     survivor after every reduction it had sent completed (`log.kept`), that is the first one issued after the
     loss, and they stand as they would with nothing issued after it (`on_peer_lost`); DDP's delivered
-    gradients are such; a completed input is then rebuilt last first, so the first that cannot be leaves the
-    ones before it as they completed. If the loss came mid-reduction, the first one that failed: only values
-    that cannot be rebuilt stand then (DDP's delivered chunks, a value nothing rebuilds), never beside one
-    that can (the sampler's votes), whose redo would leave out the dead group's data while its gradients
-    stood in part."""
+    gradients are such. If the loss came mid-reduction, the first one that failed, and nothing before it
+    may be one its integration rebuilds (the sampler's votes: they would count the dead group's batch as
+    trained while its gradients stood in part). A completed input is rebuilt last first, so the first that
+    cannot be leaves the ones before it as they completed."""
     records = log.records
     done = [r.completed for r in records]
     split = done.index(False) if False in done else 0
@@ -269,18 +270,19 @@ def _replay_start(log: ReductionLog) -> int | None:
         split = 0
     if not all(_rebuild(records[split:])):  # replayed in any case
         return None
-    if not log.kept:  # mid-reduction: every reduction again, or only values nothing can rebuild stand
-        again = _rebuild(records[:split])
-        return 0 if all(again) else None if any(again) else split
     rebuilt = False
-    for rec in reversed(records[:split]):
+    for i in reversed(range(split)):
+        rec = records[i]
         if rec.recoverable:
             continue
         if rec.restore is not None:
             _restore(rec)
-        if not rec.recoverable:
-            return None if rebuilt else split
-        rebuilt = True
+        if rec.recoverable:
+            rebuilt = True
+        elif rebuilt or (not log.kept and any(_rebuild([r for r in records[:i] if r.restore is not None]))):
+            return None  # a rebuilt input cannot stand; mid-reduction, neither can one its integration rebuilds
+        else:
+            return split
     return 0
 
 

@@ -15,7 +15,13 @@ from torch.distributed import ReduceOp
 from ft_core import settings
 from ft_core import step_rules as rules
 
-__all__ = ["Reduction", "ReductionLog", "RedoConfig", "WaitState", "resolve"]
+__all__ = ["KEEP_SMALL_BYTES", "Reduction", "ReductionLog", "RedoConfig", "WaitState", "resolve"]
+
+# An input this small that nothing rebuilds (a loss or metric the loop averages across groups) is copied before
+# it is sent in every mode, so a peer lost while it is in flight costs no step: the copy costs less than the
+# future around it. DDP's chunks (rebuilt from .grad, or far larger), the sampler's votes (rebuilt) and the
+# buffers' sync (made again) are not copied by this.
+KEEP_SMALL_BYTES = 1024
 
 @dataclass(frozen=True)
 class RedoConfig:
@@ -112,16 +118,20 @@ class ReductionLog:
 
     def record(self, tensor: torch.Tensor, op: ReduceOp, broken: bool, divided_by: int | None = None,
                keep: bool = False, refill: Callable[[], None] | None = None) -> Reduction | None:
-        """A reduction being issued (None when redo is off). A copy is kept (copy mode, or `keep`: its caller
-        can rebuild the input from nothing else) only when it will be sent and cannot be made again (`refill`)."""
+        """A reduction being issued (None when redo is off). A copy is kept (copy mode; `keep`: its caller can
+        rebuild the input from nothing else; or an input of at most KEEP_SMALL_BYTES that nothing rebuilds)
+        only when it will be sent and cannot be made again (`refill`)."""
         if not self.config.enabled:
             return None
-        copy = (self.config.copy or keep) and not broken and refill is None
-        rec = Reduction(tensor, op, divided_by, self._copy(len(self.records), tensor) if copy else None, refill=refill)
-        for ahead in [a for a in self._ahead if a[0] is tensor]:  # said before it was issued (on_redo)
-            self._ahead.remove(ahead)
-            rec.writers.append(ahead[1])
-            rec.restore = ahead[2] if rec.restore is None else rec.restore
+        ahead = [a for a in self._ahead if a[0] is tensor]  # said before it was issued (on_redo)
+        restore = next((a[2] for a in ahead if a[2] is not None), None)
+        small = restore is None and tensor.numel() * tensor.element_size() <= KEEP_SMALL_BYTES
+        copy = (self.config.copy or keep or small) and not broken and refill is None
+        rec = Reduction(tensor, op, divided_by, self._copy(len(self.records), tensor) if copy else None,
+                        restore=restore, refill=refill)
+        for a in ahead:
+            self._ahead.remove(a)
+            rec.writers.append(a[1])
         self.records.append(rec)
         return rec
 

@@ -37,6 +37,7 @@ from ft_core.control.lighthouse import LighthouseServer
 from ft_core.control.manager_client import ManagerClient
 from ft_core.control.manager_server import ManagerServer
 from ft_core.redo import RedoConfig, Reduction, ReductionLog, _replay_start, resolve
+from ft_core.redo_log import KEEP_SMALL_BYTES
 from ft_core.stores import own_store
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_redo_worker.py")
@@ -325,8 +326,9 @@ def test_a_reduction_that_fails_before_its_caller_takes_the_next_line_is_still_r
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("extra, env", [([], {}), (["--loss-first"], {"FT_REDO_COPY": "1"})],
-                         ids=["grads-then-loss", "loss-then-grads-with-copies"])
+@pytest.mark.parametrize("extra, env", [([], {}), (["--loss-first"], {}),
+                                        pytest.param(["--loss-first"], {"FT_REDO_COPY": "1"}, marks=pytest.mark.slow)],
+                         ids=["grads-then-loss", "loss-then-grads", "loss-then-grads-with-copies"])
 def test_a_loop_reading_reduced_values_before_the_vote_reads_the_survivors_average(processes, tmp_path, extra,
                                                                                     env) -> None:
     """The redo runs where a reduction is waited on, so what the loop reads before the vote (the averaged
@@ -334,7 +336,9 @@ def test_a_loop_reading_reduced_values_before_the_vote_reads_the_survivors_avera
     the average of the two survivors' losses, and the optimizer applies the clipped gradients (a redo at
     the vote would have overwritten them with unclipped ones). grads-then-loss: the kill lands in the
     gradients' reduction, the loss is reduced after the redo; loss-then-grads: it lands in the loss's
-    reduction (kept by a copy), the gradients are reduced after the redo."""
+    reduction, the gradients are reduced after the redo. The loss is kept by a copy in every mode (an input
+    of at most KEEP_SMALL_BYTES that nothing rebuilds); until 2026-12-07 only with FT_REDO_COPY=1, and the
+    default mode lost the step."""
     job, kill_step = run_kill(processes, tmp_path, "allreduce", hold=False, env=env,
                               extra=["--read-reduced", *extra])
     assert_no_step_lost(job, kill_step)
@@ -554,10 +558,16 @@ def test_the_reduction_log_keeps_copies_only_of_what_is_sent_in_buffers_reused_e
     assert again.saved.data_ptr() == first.saved.data_ptr() and torch.equal(again.saved, grad * 2)
 
     plain = ReductionLog(RedoConfig(at_wait=False, at_vote=True, copy=False))
-    sent = plain.record(grad, ReduceOp.AVG, broken=False)
+    big = torch.arange(KEEP_SMALL_BYTES // 4 + 1.0)
+    sent = plain.record(big, ReduceOp.AVG, broken=False)
     assert sent.saved is None
     sent.intact = False
     assert not plain.redoable(errored=True, participating=True)  # sent, no copy: cannot be redone
+    small = plain.record(loss, ReduceOp.SUM, broken=False)  # a loss or metric, nothing rebuilds it: copied
+    assert small.saved is not None and torch.equal(small.saved, loss) and small.saved.data_ptr() != loss.data_ptr()
+    votes = torch.zeros(3)
+    plain.on_redo(votes, lambda: None, lambda: True, next_reduction=True)
+    assert plain.record(votes, ReduceOp.SUM, broken=False).saved is None  # small, but its integration rebuilds it
     assert ReductionLog(RedoConfig(at_wait=False)).record(grad, ReduceOp.AVG, broken=False) is None
     at_wait = ReductionLog(RedoConfig(at_wait=True, copy=False))
     assert at_wait.record(grad, ReduceOp.AVG, broken=True) is not None
@@ -668,6 +678,8 @@ def test_a_replay_starts_at_the_first_reduction_that_did_not_complete_only_when_
     calls.clear()
     loss = Reduction(torch.zeros(2), ReduceOp.SUM, first=torch.futures.Future(), intact=False)  # nothing rebuilds it
     assert start(False, loss, sent("grads", True, False), buffers) == 2 and calls == ["grads"]
+    copied = Reduction(torch.zeros(2), ReduceOp.SUM, saved=torch.zeros(2), first=torch.futures.Future(), intact=False)
+    assert start(False, copied, sent("grads", True, False), buffers) == 2  # a small loss's copy: it stands too
     calls.clear()
     assert start(True, sent("votes", True, True), sent("grads", True, False), skipped) == 2
     assert calls == ["grads"]  # the votes were left as they completed
