@@ -70,7 +70,11 @@ def test_survivors_never_wait_for_the_timeout_when_a_group_is_sigkilled(processe
 @pytest.mark.timeout(120)
 def test_a_group_that_skips_its_collectives_releases_its_peers_at_its_failed_commit():
     """Group 0 fails before its allreduce (report_error); group 1 is left waiting in that allreduce.
-    Group 0's failed commit aborts its process group, so group 1 fails now, not at its 30 s timeout."""
+    Group 0's failed commit aborts its process group, so group 1 fails now, not at its 30 s timeout.
+    Group 1 can redo the reduction (its small input is kept: ft_core.redo_log.KEEP_SMALL_BYTES), so it
+    forms the quorum again; group 0 goes on to its next quorum, as a loop does, without redoing, so the redo
+    is abandoned at once and group 1's step fails (before 2026-12-07 that input was not kept, and group 1
+    failed without trying; a group 0 that asked no quorum would hold the redo to the quorum timeout)."""
     timeout = timedelta(seconds=30)
     group1_done = threading.Event()  # group 0 stays up (its process group open) until then
     with LighthouseServer(min_replicas=2, join_timeout_ms=5000) as lighthouse:
@@ -87,6 +91,7 @@ def test_a_group_that_skips_its_collectives_releases_its_peers_at_its_failed_com
                 manager.wait_quorum()
                 manager.report_error(RuntimeError("the loss was NaN; skipping this step's backward"))
                 committed = manager.should_commit()
+                manager.start_quorum()  # the next step's, as a loop asks at once
                 group1_done.wait(timeout.total_seconds() + 10)
                 return committed, time.monotonic() - started
             manager.allreduce(grad).wait()
