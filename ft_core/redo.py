@@ -27,11 +27,10 @@ mid-reduction); the survivors agree on where their replays start before either i
 What can be redone (the copy policy):
 - default (`FT_REDO_COPY=0`), at no cost on the healthy path but copies of small inputs: a reduction
   that was never handed to a collective (the group was already broken when it was issued) still holds
-  its input; one that was
-  sent and failed is rebuilt when its integration can (`restore`: ft_core.ddp refills a chunk not yet
-  delivered from the parameters' .grad, which DDP overwrites only once that bucket's future is done;
-  for a group of one rank and DDP's default gradient_as_bucket_view=False): a peer killed during the
-  forward pass or mid-reduction. A chunk DDP already delivered stands with the dead peer's share while
+  its input; one that was sent and failed is rebuilt when its integration can (`restore`: ft_core.ddp
+  refills a chunk not yet delivered from the parameters' .grad, which DDP overwrites only once that
+  bucket's future is done; for a group of one rank and DDP's default gradient_as_bucket_view=False): a
+  peer killed during the forward pass or mid-reduction. A chunk DDP already delivered stands with the dead peer's share while
   the chunks after it are redone, when every survivor completed the same ones (else the step fails).
   An input of at most 1 KiB that nothing rebuilds (a loss or metric the loop averages) is copied
   (`KEEP_SMALL_BYTES`). Not redone in this mode: a larger failed reduction that nothing can rebuild (a
