@@ -68,13 +68,15 @@ def test_survivors_never_wait_for_the_timeout_when_a_group_is_sigkilled(processe
 
 
 @pytest.mark.timeout(120)
-def test_a_group_that_skips_its_collectives_releases_its_peers_at_its_failed_commit():
+@pytest.mark.parametrize("asks_next_quorum", [True, False], ids=["next-quorum-at-once", "no-quorum-asked"])
+def test_a_group_that_skips_its_collectives_releases_its_peers_at_its_failed_commit(asks_next_quorum):
     """Group 0 fails before its allreduce (report_error); group 1 is left waiting in that allreduce.
     Group 0's failed commit aborts its process group, so group 1 fails now, not at its 30 s timeout.
     Group 1 can redo the reduction (its small input is kept: ft_core.redo_log.KEEP_SMALL_BYTES), so it
-    forms the quorum again; group 0 goes on to its next quorum, as a loop does, without redoing, so the redo
-    is abandoned at once and group 1's step fails (before 2026-12-07 that input was not kept, and group 1
-    failed without trying; a group 0 that asked no quorum would hold the redo to the quorum timeout)."""
+    forms the quorum again. Group 0 will not redo: its failed commit tells the lighthouse so (quorum rule 11),
+    and with min_replicas 2 no redo can form without it, so group 1's step fails at once, whether group 0 goes on
+    to its next quorum (the redo is abandoned) or asks none for a while (before 2026-12-07 that held group 1's
+    redo until its 30 s quorum timeout)."""
     timeout = timedelta(seconds=30)
     group1_done = threading.Event()  # group 0 stays up (its process group open) until then
     with LighthouseServer(min_replicas=2, join_timeout_ms=5000) as lighthouse:
@@ -91,7 +93,8 @@ def test_a_group_that_skips_its_collectives_releases_its_peers_at_its_failed_com
                 manager.wait_quorum()
                 manager.report_error(RuntimeError("the loss was NaN; skipping this step's backward"))
                 committed = manager.should_commit()
-                manager.start_quorum()  # the next step's, as a loop asks at once
+                if asks_next_quorum:
+                    manager.start_quorum()  # the next step's, as a loop asks at once
                 group1_done.wait(timeout.total_seconds() + 10)
                 return committed, time.monotonic() - started
             manager.allreduce(grad).wait()
@@ -103,6 +106,61 @@ def test_a_group_that_skips_its_collectives_releases_its_peers_at_its_failed_com
     (committed0, _), (committed1, waited1) = results
     assert not committed0 and not committed1
     assert waited1 < timeout.total_seconds() / 3, f"group 1 waited {waited1:.1f}s for a collective group 0 skipped"
+
+
+@pytest.mark.timeout(120)
+def test_a_survivor_redoes_its_step_without_a_peer_that_gave_up_that_step():
+    """As above with min_replicas 1: group 0 fails its own step and asks no quorum for a while; group 1's
+    reduction failed with group 0's process group. Group 0's failed commit tells the lighthouse it will not
+    redo that step (quorum rule 11), so group 1 redoes it alone at once and commits it (before 2026-12-07 its
+    redo waited for group 0 until its 30 s quorum timeout, and its step failed). At the next step group 0 heals
+    from group 1, and both hold the same state."""
+    timeout = timedelta(seconds=30)
+    group1_done = threading.Event()
+    together = threading.Barrier(2, timeout=60)
+    with LighthouseServer(min_replicas=1, join_timeout_ms=5000) as lighthouse:
+
+        def body(manager: Manager, i: int) -> Any:
+            grad = torch.ones(4) * (i + 1)
+            # both heartbeat before either asks, so their first quorum is joint
+            wait_until(lambda: len(lighthouse.core.status()["members"]) == 2, 30, "both groups heartbeating")
+            together.wait()
+            for _ in range(2):
+                manager.start_quorum()
+                manager.allreduce(grad.clone()).wait()
+                assert manager.should_commit()
+            manager.start_quorum()
+            started = time.monotonic()
+            if i == 0:
+                manager.wait_quorum()
+                manager.report_error(RuntimeError("the loss was NaN; skipping this step's backward"))
+                committed = manager.should_commit()
+                group1_done.wait(timeout.total_seconds() + 10)  # asks no quorum meanwhile
+                reduced = None
+            else:
+                reduced = grad.clone()
+                manager.allreduce(reduced).wait()
+                committed = manager.should_commit()
+                group1_done.set()
+                # Group 1 alone was the last quorum, so it would get its next one alone at once and run ahead; a
+                # loop's group 0 would ask its next quorum before that, as here
+                wait_until(lambda: any(m["replica_id"].startswith("r0:") and m["waiting"]
+                                       for m in lighthouse.core.status()["members"]), 30, "group 0 asking its quorum")
+            waited = time.monotonic() - started
+            manager.start_quorum()  # the next step: group 0 heals from group 1
+            manager.allreduce(grad.clone()).wait()
+            assert manager.should_commit()
+            together.wait()  # group 1 serves group 0's heal until group 0 has it
+            return committed, waited, reduced, manager.current_step()
+
+        results = run_groups(2, lighthouse, body, setup=lambda i: {"pg": ProcessGroupGloo(timeout=timeout)},
+                             timeout=timeout, quorum_timeout=timeout, min_replica_size=1)
+    (committed0, _, _, step0), (committed1, waited1, reduced1, step1) = results
+    assert not committed0, "group 0 failed its own step"
+    assert committed1, "group 1 redid its step alone and committed it"
+    assert waited1 < timeout.total_seconds() / 3, f"group 1 waited {waited1:.1f}s for a group that gave up the step"
+    assert reduced1.tolist() == [2.0] * 4, "the redone reduction holds group 1's own value alone"
+    assert step0 == step1 == 4, "group 0 healed from group 1 and both committed the next step"
 
 
 @pytest.mark.timeout(120)

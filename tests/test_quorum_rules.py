@@ -48,6 +48,7 @@ class Case:
     first_seen: dict[str, float] | None = None  # replica_id -> seconds since it came alive (rule 8)
     reported: dict[str, tuple[int, float]] | None = None  # replica_id -> (reported quorum id, seconds since learned)
     holders: dict[str, int] | None = None  # replica_id -> highest step it brought to an issued quorum (rule 9)
+    gave_up: dict[str, int] | None = None  # replica_id -> the step attempt it will not redo (rule 11)
     excluded: list[str] = field(default_factory=list)  # rule 2: shrink-only callers outside the last quorum, answered
     config: QuorumConfig = field(default_factory=lambda: QuorumConfig(min_replicas=1, join_timeout_ms=60_000,
                                                                       heartbeat_timeout_ms=5_000))
@@ -266,6 +267,23 @@ CASES = [
     Case("a report older than the lighthouse's own quorum is ignored", joined("b", "c", last_quorum_id=151),
          alive("b", "c"), ["b", "c"], "Fast quorum", prev=quorum(160, "b", "c"), quorum_id=160, expect_id=160,
          reported={"a": (151, 0.5)}),
+    # rule 11: a redo does not wait for a member that gave up the attempt it redoes (its commit failed)
+    Case("a redo waits for a live member of the attempt that has not asked (the majority guard)",
+         joined("b", shrink_only=True, redo_quorum_id=7), alive("a", "b"), None, "need more than half",
+         prev=quorum(7, "a", "b"), quorum_id=7),
+    Case("a redo goes on without a member that gave up the attempt it redoes",
+         joined("b", shrink_only=True, redo_quorum_id=7), alive("a", "b"), ["b"], "not waited for by the redo, "
+         "having given up the attempt it redoes: a", prev=quorum(7, "a", "b"), quorum_id=7, expect_id=8,
+         gave_up={"a": 7}),
+    Case("giving up another attempt does not count", joined("b", shrink_only=True, redo_quorum_id=7),
+         alive("a", "b"), None, "need more than half", prev=quorum(7, "a", "b"), quorum_id=7, gave_up={"a": 6}),
+    Case("nor for a quorum that is no redo", joined("b", "c"), alive("a", "b", "c"), None,
+         "waiting for 1 healthy but not participating stragglers", prev=quorum(7, "a", "b", "c"), quorum_id=7,
+         gave_up={"a": 7}),
+    Case("without the member that gave up, too few for min_replicas: the redo is answered at once",
+         joined("b", shrink_only=True, redo_quorum_id=7), alive("a", "b"), None, "shrink-only outside the last quorum",
+         prev=quorum(7, "a", "b"), quorum_id=7, gave_up={"a": 7}, excluded=["b"],
+         config=QuorumConfig(min_replicas=2, join_timeout_ms=60_000, heartbeat_timeout_ms=5_000)),
 ]
 
 
@@ -277,7 +295,7 @@ def test_decide(case: Case) -> None:
         prev_quorum=case.prev, quorum_id=case.quorum_id,
         first_seen={rid: NOW - ago for rid, ago in (case.first_seen or {}).items()},
         reported={rid: Reported(qid, NOW - ago) for rid, (qid, ago) in (case.reported or {}).items()},
-        holders=case.holders or {})
+        holders=case.holders or {}, gave_up=case.gave_up or {})
     decision = decide(state, NOW, case.config)
     got = None if decision.participants is None else [p.replica_id for p in decision.participants]
     assert got == case.expect, decision.reason

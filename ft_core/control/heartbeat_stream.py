@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import threading
@@ -465,6 +466,16 @@ class HeartbeatStreamHandle:
             replica_id=self.replica_id, request_id=request_id, timeout_ms=max(int(timeout_s * 1000), 1),
             quorum=ft_pb2.LighthouseQuorumRequest(requester=member.to_pb())).SerializeToString()
         return outbox, request_id, message
+
+    def gave_up(self, quorum_id: int) -> None:
+        """Tell the lighthouse, on the open stream (never blocks; a stream down now drops it), that this group failed
+        to commit the step it attempted in quorum `quorum_id` and will not redo it (quorum rule 11)."""
+        message = ft_pb2.LighthouseHeartbeatRequest(replica_id=self.replica_id, gave_up_quorum_id=quorum_id)
+        with self._lock:
+            outbox = self._outbox if self._connected.is_set() else None
+        with contextlib.suppress(RuntimeError):  # the loop is gone (interpreter shutdown)
+            if outbox is not None:
+                self._loop.call_soon_threadsafe(self._send, outbox, message.SerializeToString())
 
     def _timed_out(self, request_id: int, timeout_s: float) -> FTTimeoutError:
         with self._lock:

@@ -163,6 +163,8 @@ class _LighthouseService:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"lighthouse Heartbeat: {redirect}")
         else:
             self._core.heartbeat(request.replica_id)
+            if request.gave_up_quorum_id:
+                self._core.gave_up(request.replica_id, request.gave_up_quorum_id)
         if request.want_status:
             return ft_pb2.LighthouseHeartbeatResponse(quorum_status=self._core.quorum_status()).SerializeToString()
         return _EMPTY
@@ -224,6 +226,8 @@ class _LighthouseService:
                     continue
                 if not opened:
                     self._core.heartbeat(replica_id)
+                if request.gave_up_quorum_id:
+                    self._core.gave_up(replica_id, request.gave_up_quorum_id)
                 now = self._loop.time()
                 if opened or now - acked >= HEARTBEAT_ACK_S:
                     acked = now

@@ -101,6 +101,7 @@ class LighthouseCore:
         self._first_seen: dict[str, float] = {}  # replica_id -> when it last came alive (rule 8: oldest wins)
         self._reported: dict[str, Reported] = {}  # members of quorums it never issued (rule 10)
         self._holders: dict[str, int] = {}  # replica_id -> highest step it brought to a quorum issued here (rule 9)
+        self._gave_up: dict[str, int] = {}  # replica_id -> the step attempt (quorum id) it will not redo (rule 11)
         self._warned_refused: set[tuple[str, str]] = set()  # (refused, older) pairs already logged
         self._notified: set[tuple[int, str]] = set()  # (quorum_id, lost replica) already pushed
         self._notifier: PeerLostNotifier | None = None
@@ -139,6 +140,7 @@ class LighthouseCore:
                 self._heartbeats[rid] = now
                 self._expired.discard(rid)
             self._known[rid] = member
+            self._gave_up.pop(rid, None)  # asking again: rule 11's note has served
             before = self._waiting.get(rid)
             joined_at = before.joined_at if before else now
             self._add_waiting_locked(Joined(member, joined_at))
@@ -238,7 +240,7 @@ class LighthouseCore:
                     waiter.redirect = message
                     waiter.wake()
             for table in (self._waiting, self._heartbeats, self._streams, self._first_seen, self._known, self._dead,
-                          self._reported, self._holders):
+                          self._reported, self._holders, self._gave_up):
                 table.clear()
             self._expired.clear()
 
@@ -325,6 +327,19 @@ class LighthouseCore:
             if replica_id in self._waiting or (replica_id in self._reported and self._waiting):  # rule 10's wait ends
                 self._decide_locked(now)
 
+    def gave_up(self, replica_id: str, quorum_id: int) -> None:
+        """`replica_id` failed to commit the step it attempted in quorum `quorum_id` and will not redo it: a redo of
+        that attempt waiting for it goes on without it (rule 11)."""
+        with self._lock:
+            if self._redirect is not None or quorum_id <= 0:
+                return
+            self._gave_up[replica_id] = quorum_id
+            logger.info("replica %s gave up its step attempted in quorum %d (its commit failed): a redo of that "
+                        "attempt does not wait for it", replica_id, quorum_id,
+                        extra={"replica_id": replica_id, "quorum_id": quorum_id, "event": "attempt_given_up"})
+            if self._waiting and not self._closed:
+                self._decide_locked(time.monotonic())
+
     def stream_opened(self, replica_id: str, token: object) -> None:
         """A heartbeat stream sent its first message: it is now this replica's liveness signal."""
         with self._lock:
@@ -386,6 +401,8 @@ class LighthouseCore:
                 del self._known[rid]
             for rid in [r for r in self._holders if r not in self._heartbeats]:
                 del self._holders[rid]
+            for rid in [r for r in self._gave_up if r not in self._heartbeats]:
+                del self._gave_up[rid]
             for rid in prune_heartbeats(self._dead, now, PRUNE_AFTER_TIMEOUTS * timeout):
                 del self._dead[rid]
             if self._reported:  # kept while rule 10 counts them: heartbeating, or within a timeout of the report
@@ -435,7 +452,7 @@ class LighthouseCore:
 
     def _state_locked(self) -> LighthouseState:
         return LighthouseState(self._waiting, self._heartbeats, self._prev, self._quorum_id, self._first_seen,
-                               self._reported, self._holders)
+                               self._reported, self._holders, self._gave_up)
 
     def _decide_locked(self, now: float) -> None:
         if self._awaiting_peers or self._redirect is not None:

@@ -544,6 +544,8 @@ class ManagerServer:
                 rnd.all_redoable = all(rnd.redoable.get(r, False) for r in rnd.votes)
                 self._commit_round = None
                 self._cond.notify_all()
+                if not rnd.decision and not rnd.all_redoable and self._heartbeat is not None:  # final: no redo follows
+                    self._heartbeat.gave_up(self._last_quorum_id)  # a peer's redo goes on without us (quorum rule 11)
                 return rnd.decision, rnd.all_healed, rnd.all_redoable
             self._cond.notify_all()
             while rnd.decision is None and rnd.error is None:

@@ -67,6 +67,7 @@ class LighthouseState:
     first_seen: Mapping[str, float] = field(default_factory=dict)  # replica_id -> when first heard (rule 8)
     reported: Mapping[str, Reported] = field(default_factory=dict)  # replica_id -> its report (rule 10)
     holders: Mapping[str, int] = field(default_factory=dict)  # replica_id -> top step it brought to a quorum (rule 9)
+    gave_up: Mapping[str, int] = field(default_factory=dict)  # replica_id -> attempt it will not redo (rule 11)
 
 
 @dataclass(frozen=True)
@@ -229,13 +230,28 @@ def outside_last_quorum(waiting: Mapping[str, Joined], prev: Quorum | None, heal
     return answers
 
 
+def gave_up_the_redo(waiting: Mapping[str, Joined], gave_up: Mapping[str, int]) -> set[str]:
+    """Rule 11: the members, not waiting, that failed to commit the step attempt every waiting shrink-only caller
+    redoes (their common redo_quorum_id; ft_core.redo) and will not redo it (their commit barrier decided so). Such a
+    member is alive but will not take part in that redo, so the redo does not wait for it: it counts as gone for
+    that decision (a straggler, the majority guard, min_replicas). Until 2026-12-07 the redo waited for it until
+    it asked its next quorum or the redo's deadline passed; it heals at its next quorum, as from any redone step."""
+    attempts = {j.member.redo_quorum_id for j in waiting.values() if j.member.shrink_only}
+    if len(attempts) != 1:
+        return set()
+    (attempt,) = attempts
+    return {rid for rid, qid in gave_up.items() if attempt and qid == attempt and rid not in waiting}
+
+
 def decide(state: LighthouseState, now: float, config: QuorumConfig) -> Decision:
-    """Rules 1-10: whether a quorum can be issued now, with whom, and the reason either way."""
+    """Rules 1-11: whether a quorum can be issued now, with whom, and the reason either way."""
     healthy = healthy_replicas(state.heartbeats, now, config)
     refused = refused_incarnations({rid: state.first_seen.get(rid, 0.0) for rid in healthy}) \
         if state.first_seen else {}
     if refused:  # rule 8: a second live incarnation of a group neither counts nor takes part
         healthy -= refused.keys()
+    gave_up = gave_up_the_redo(state.waiting, state.gave_up) if state.gave_up else set()  # rule 11
+    healthy -= gave_up
     excluded = outside_last_quorum(state.waiting, state.prev_quorum, healthy, config.min_replicas)  # rule 2
     joined = {rid: j for rid, j in state.waiting.items() if rid in healthy and rid not in excluded}
     candidates = [joined[rid].member for rid in sorted(joined)]
@@ -247,6 +263,8 @@ def decide(state: LighthouseState, now: float, config: QuorumConfig) -> Decision
         tag += "[refused: " + ", ".join(f"{rid} (replica group already has live {refused[rid]})"
                                         for rid in refused_waiting) + "]"
 
+    if gave_up:
+        tag += "[not waited for by the redo, having given up the attempt it redoes: " + ", ".join(sorted(gave_up)) + "]"
     if excluded:
         tag += "[shrink-only outside the last quorum, answered: " + ", ".join(sorted(excluded)) + "]"
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x08\x66t.proto\x12\x03\x66tl\"\xcd\x02\n\x0cQuorumMember\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\rstore_address\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x12\n\nworld_size\x18\x05 \x01(\x04\x12\x13\n\x0bshrink_only\x18\x06 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\t\x12\x17\n\x0f\x63ommit_failures\x18\x08 \x01(\x03\x12\x16\n\x0elast_quorum_id\x18\t \x01(\x03\x12\x13\n\x0bunreachable\x18\n \x03(\t\x12\x18\n\x10\x63ommit_quorum_id\x18\x0b \x01(\x03\x12\x1f\n\x17last_quorum_replica_ids\x18\x0c \x03(\t\x12\x0f\n\x07rebuild\x18\r \x01(\x08\x12\x16\n\x0eredo_quorum_id\x18\x0e \x01(\x03\x12\x12\n\nreductions\x18\x0f \x01(\t\"]\n\x06Quorum\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12\'\n\x0cparticipants\x18\x02 \x03(\x0b\x32\x11.ftl.QuorumMember\x12\x17\n\x0f\x63reated_unix_ms\x18\x03 \x01(\x03\"?\n\x17LighthouseQuorumRequest\x12$\n\trequester\x18\x01 \x01(\x0b\x32\x11.ftl.QuorumMember\"7\n\x18LighthouseQuorumResponse\x12\x1b\n\x06quorum\x18\x01 \x01(\x0b\x32\x0b.ftl.Quorum\"\x8b\x02\n\x1aLighthouseHeartbeatRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07leaving\x18\x02 \x01(\x08\x12\x12\n\nrequest_id\x18\x03 \x01(\x04\x12,\n\x06quorum\x18\x04 \x01(\x0b\x32\x1c.ftl.LighthouseQuorumRequest\x12\x12\n\ntimeout_ms\x18\x05 \x01(\x03\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x15\n\rfinished_step\x18\x07 \x01(\x03\x12\x1a\n\x12\x66inished_quorum_id\x18\x08 \x01(\x03\x12\x13\n\x0bwant_status\x18\t \x01(\x08\x12\x18\n\x10want_frames_port\x18\n \x01(\x08\"A\n\x08PeerLost\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xbb\x01\n\x1bLighthouseHeartbeatResponse\x12 \n\tpeer_lost\x18\x01 \x01(\x0b\x32\r.ftl.PeerLost\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\x12\x17\n\x0fquorum_response\x18\x03 \x01(\x0c\x12\x12\n\nerror_code\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x15\n\rquorum_status\x18\x06 \x01(\t\x12\x13\n\x0b\x66rames_port\x18\x07 \x01(\x05\"\x91\x01\n\x13LighthousePeerState\x12\x15\n\rlighthouse_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0clive_members\x18\x03 \x01(\x03\x12\x10\n\x08max_step\x18\x04 \x01(\x03\x12\x11\n\tquorum_id\x18\x05 \x01(\x03\x12\x17\n\x0fstanding_by_for\x18\x06 \x01(\t\"\xd9\x01\n\x14ManagerQuorumRequest\x12\x12\n\ngroup_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x1b\n\x13\x63heckpoint_metadata\x18\x03 \x01(\t\x12\x13\n\x0bshrink_only\x18\x04 \x01(\x08\x12\x11\n\tinit_sync\x18\x05 \x01(\x08\x12\x17\n\x0f\x63ommit_failures\x18\x06 \x01(\x03\x12\x18\n\x10\x63ommit_quorum_id\x18\x07 \x01(\x03\x12\x0f\n\x07rebuild\x18\x08 \x01(\x08\x12\x16\n\x0eredo_quorum_id\x18\t \x01(\x03\"\xb1\x03\n\x15ManagerQuorumResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12#\n\x1brecover_src_manager_address\x18\x02 \x01(\t\x12%\n\x18recover_src_replica_rank\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12!\n\x19recover_dst_replica_ranks\x18\x04 \x03(\x03\x12\x15\n\rstore_address\x18\x05 \x01(\t\x12\x10\n\x08max_step\x18\x06 \x01(\x03\x12\x1d\n\x10max_replica_rank\x18\x07 \x01(\x03H\x01\x88\x01\x01\x12\x16\n\x0emax_world_size\x18\x08 \x01(\x03\x12\x14\n\x0creplica_rank\x18\t \x01(\x03\x12\x1a\n\x12replica_world_size\x18\n \x01(\x03\x12\x0c\n\x04heal\x18\x0b \x01(\x08\x12\x17\n\x0f\x63ommit_failures\x18\x0c \x01(\x03\x12\x13\n\x0breplica_ids\x18\r \x03(\t\x12\x16\n\x0eredo_quorum_id\x18\x0e \x01(\x03\x42\x1b\n\x19_recover_src_replica_rankB\x13\n\x11_max_replica_rank\"/\n\x19\x43heckpointMetadataRequest\x12\x12\n\ngroup_rank\x18\x01 \x01(\x03\"9\n\x1a\x43heckpointMetadataResponse\x12\x1b\n\x13\x63heckpoint_metadata\x18\x01 \x01(\t\"p\n\x13ShouldCommitRequest\x12\x15\n\rshould_commit\x18\x01 \x01(\x08\x12\x12\n\ngroup_rank\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0e\n\x06healed\x18\x04 \x01(\x08\x12\x10\n\x08redoable\x18\x05 \x01(\x08\"W\n\x14ShouldCommitResponse\x12\x15\n\rshould_commit\x18\x01 \x01(\x08\x12\x12\n\nall_healed\x18\x02 \x01(\x08\x12\x14\n\x0c\x61ll_redoable\x18\x03 \x01(\x08\"\x1a\n\x0bKillRequest\x12\x0b\n\x03msg\x18\x01 \x01(\t\"\x0e\n\x0cKillResponse\"+\n\x16PeerLostNoticesRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x04\"?\n\x0ePeerLostNotice\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12 \n\tpeer_lost\x18\x02 \x01(\x0b\x32\r.ftl.PeerLost2\xc0\x02\n\x11LighthouseService\x12\x45\n\x06Quorum\x12\x1c.ftl.LighthouseQuorumRequest\x1a\x1d.ftl.LighthouseQuorumResponse\x12N\n\tHeartbeat\x12\x1f.ftl.LighthouseHeartbeatRequest\x1a .ftl.LighthouseHeartbeatResponse\x12X\n\x0fHeartbeatStream\x12\x1f.ftl.LighthouseHeartbeatRequest\x1a .ftl.LighthouseHeartbeatResponse(\x01\x30\x01\x12:\n\x04Peer\x12\x18.ftl.LighthousePeerState\x1a\x18.ftl.LighthousePeerState2\xe1\x02\n\x0eManagerService\x12?\n\x06Quorum\x12\x19.ftl.ManagerQuorumRequest\x1a\x1a.ftl.ManagerQuorumResponse\x12U\n\x12\x43heckpointMetadata\x12\x1e.ftl.CheckpointMetadataRequest\x1a\x1f.ftl.CheckpointMetadataResponse\x12\x43\n\x0cShouldCommit\x12\x18.ftl.ShouldCommitRequest\x1a\x19.ftl.ShouldCommitResponse\x12+\n\x04Kill\x12\x10.ftl.KillRequest\x1a\x11.ftl.KillResponse\x12\x45\n\x0fPeerLostNotices\x12\x1b.ftl.PeerLostNoticesRequest\x1a\x13.ftl.PeerLostNotice0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x08\x66t.proto\x12\x03\x66tl\"\xcd\x02\n\x0cQuorumMember\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\rstore_address\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x12\n\nworld_size\x18\x05 \x01(\x04\x12\x13\n\x0bshrink_only\x18\x06 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\t\x12\x17\n\x0f\x63ommit_failures\x18\x08 \x01(\x03\x12\x16\n\x0elast_quorum_id\x18\t \x01(\x03\x12\x13\n\x0bunreachable\x18\n \x03(\t\x12\x18\n\x10\x63ommit_quorum_id\x18\x0b \x01(\x03\x12\x1f\n\x17last_quorum_replica_ids\x18\x0c \x03(\t\x12\x0f\n\x07rebuild\x18\r \x01(\x08\x12\x16\n\x0eredo_quorum_id\x18\x0e \x01(\x03\x12\x12\n\nreductions\x18\x0f \x01(\t\"]\n\x06Quorum\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12\'\n\x0cparticipants\x18\x02 \x03(\x0b\x32\x11.ftl.QuorumMember\x12\x17\n\x0f\x63reated_unix_ms\x18\x03 \x01(\x03\"?\n\x17LighthouseQuorumRequest\x12$\n\trequester\x18\x01 \x01(\x0b\x32\x11.ftl.QuorumMember\"7\n\x18LighthouseQuorumResponse\x12\x1b\n\x06quorum\x18\x01 \x01(\x0b\x32\x0b.ftl.Quorum\"\xa6\x02\n\x1aLighthouseHeartbeatRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07leaving\x18\x02 \x01(\x08\x12\x12\n\nrequest_id\x18\x03 \x01(\x04\x12,\n\x06quorum\x18\x04 \x01(\x0b\x32\x1c.ftl.LighthouseQuorumRequest\x12\x12\n\ntimeout_ms\x18\x05 \x01(\x03\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x15\n\rfinished_step\x18\x07 \x01(\x03\x12\x1a\n\x12\x66inished_quorum_id\x18\x08 \x01(\x03\x12\x13\n\x0bwant_status\x18\t \x01(\x08\x12\x18\n\x10want_frames_port\x18\n \x01(\x08\x12\x19\n\x11gave_up_quorum_id\x18\x0b \x01(\x03\"A\n\x08PeerLost\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xbb\x01\n\x1bLighthouseHeartbeatResponse\x12 \n\tpeer_lost\x18\x01 \x01(\x0b\x32\r.ftl.PeerLost\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\x12\x17\n\x0fquorum_response\x18\x03 \x01(\x0c\x12\x12\n\nerror_code\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x15\n\rquorum_status\x18\x06 \x01(\t\x12\x13\n\x0b\x66rames_port\x18\x07 \x01(\x05\"\x91\x01\n\x13LighthousePeerState\x12\x15\n\rlighthouse_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0clive_members\x18\x03 \x01(\x03\x12\x10\n\x08max_step\x18\x04 \x01(\x03\x12\x11\n\tquorum_id\x18\x05 \x01(\x03\x12\x17\n\x0fstanding_by_for\x18\x06 \x01(\t\"\xd9\x01\n\x14ManagerQuorumRequest\x12\x12\n\ngroup_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x1b\n\x13\x63heckpoint_metadata\x18\x03 \x01(\t\x12\x13\n\x0bshrink_only\x18\x04 \x01(\x08\x12\x11\n\tinit_sync\x18\x05 \x01(\x08\x12\x17\n\x0f\x63ommit_failures\x18\x06 \x01(\x03\x12\x18\n\x10\x63ommit_quorum_id\x18\x07 \x01(\x03\x12\x0f\n\x07rebuild\x18\x08 \x01(\x08\x12\x16\n\x0eredo_quorum_id\x18\t \x01(\x03\"\xb1\x03\n\x15ManagerQuorumResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12#\n\x1brecover_src_manager_address\x18\x02 \x01(\t\x12%\n\x18recover_src_replica_rank\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12!\n\x19recover_dst_replica_ranks\x18\x04 \x03(\x03\x12\x15\n\rstore_address\x18\x05 \x01(\t\x12\x10\n\x08max_step\x18\x06 \x01(\x03\x12\x1d\n\x10max_replica_rank\x18\x07 \x01(\x03H\x01\x88\x01\x01\x12\x16\n\x0emax_world_size\x18\x08 \x01(\x03\x12\x14\n\x0creplica_rank\x18\t \x01(\x03\x12\x1a\n\x12replica_world_size\x18\n \x01(\x03\x12\x0c\n\x04heal\x18\x0b \x01(\x08\x12\x17\n\x0f\x63ommit_failures\x18\x0c \x01(\x03\x12\x13\n\x0breplica_ids\x18\r \x03(\t\x12\x16\n\x0eredo_quorum_id\x18\x0e \x01(\x03\x42\x1b\n\x19_recover_src_replica_rankB\x13\n\x11_max_replica_rank\"/\n\x19\x43heckpointMetadataRequest\x12\x12\n\ngroup_rank\x18\x01 \x01(\x03\"9\n\x1a\x43heckpointMetadataResponse\x12\x1b\n\x13\x63heckpoint_metadata\x18\x01 \x01(\t\"p\n\x13ShouldCommitRequest\x12\x15\n\rshould_commit\x18\x01 \x01(\x08\x12\x12\n\ngroup_rank\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0e\n\x06healed\x18\x04 \x01(\x08\x12\x10\n\x08redoable\x18\x05 \x01(\x08\"W\n\x14ShouldCommitResponse\x12\x15\n\rshould_commit\x18\x01 \x01(\x08\x12\x12\n\nall_healed\x18\x02 \x01(\x08\x12\x14\n\x0c\x61ll_redoable\x18\x03 \x01(\x08\"\x1a\n\x0bKillRequest\x12\x0b\n\x03msg\x18\x01 \x01(\t\"\x0e\n\x0cKillResponse\"+\n\x16PeerLostNoticesRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x04\"?\n\x0ePeerLostNotice\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12 \n\tpeer_lost\x18\x02 \x01(\x0b\x32\r.ftl.PeerLost2\xc0\x02\n\x11LighthouseService\x12\x45\n\x06Quorum\x12\x1c.ftl.LighthouseQuorumRequest\x1a\x1d.ftl.LighthouseQuorumResponse\x12N\n\tHeartbeat\x12\x1f.ftl.LighthouseHeartbeatRequest\x1a .ftl.LighthouseHeartbeatResponse\x12X\n\x0fHeartbeatStream\x12\x1f.ftl.LighthouseHeartbeatRequest\x1a .ftl.LighthouseHeartbeatResponse(\x01\x30\x01\x12:\n\x04Peer\x12\x18.ftl.LighthousePeerState\x1a\x18.ftl.LighthousePeerState2\xe1\x02\n\x0eManagerService\x12?\n\x06Quorum\x12\x19.ftl.ManagerQuorumRequest\x1a\x1a.ftl.ManagerQuorumResponse\x12U\n\x12\x43heckpointMetadata\x12\x1e.ftl.CheckpointMetadataRequest\x1a\x1f.ftl.CheckpointMetadataResponse\x12\x43\n\x0cShouldCommit\x12\x18.ftl.ShouldCommitRequest\x1a\x19.ftl.ShouldCommitResponse\x12+\n\x04Kill\x12\x10.ftl.KillRequest\x1a\x11.ftl.KillResponse\x12\x45\n\x0fPeerLostNotices\x12\x1b.ftl.PeerLostNoticesRequest\x1a\x13.ftl.PeerLostNotice0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,35 +40,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LIGHTHOUSEQUORUMRESPONSE']._serialized_start=513
   _globals['_LIGHTHOUSEQUORUMRESPONSE']._serialized_end=568
   _globals['_LIGHTHOUSEHEARTBEATREQUEST']._serialized_start=571
-  _globals['_LIGHTHOUSEHEARTBEATREQUEST']._serialized_end=838
-  _globals['_PEERLOST']._serialized_start=840
-  _globals['_PEERLOST']._serialized_end=905
-  _globals['_LIGHTHOUSEHEARTBEATRESPONSE']._serialized_start=908
-  _globals['_LIGHTHOUSEHEARTBEATRESPONSE']._serialized_end=1095
-  _globals['_LIGHTHOUSEPEERSTATE']._serialized_start=1098
-  _globals['_LIGHTHOUSEPEERSTATE']._serialized_end=1243
-  _globals['_MANAGERQUORUMREQUEST']._serialized_start=1246
-  _globals['_MANAGERQUORUMREQUEST']._serialized_end=1463
-  _globals['_MANAGERQUORUMRESPONSE']._serialized_start=1466
-  _globals['_MANAGERQUORUMRESPONSE']._serialized_end=1899
-  _globals['_CHECKPOINTMETADATAREQUEST']._serialized_start=1901
-  _globals['_CHECKPOINTMETADATAREQUEST']._serialized_end=1948
-  _globals['_CHECKPOINTMETADATARESPONSE']._serialized_start=1950
-  _globals['_CHECKPOINTMETADATARESPONSE']._serialized_end=2007
-  _globals['_SHOULDCOMMITREQUEST']._serialized_start=2009
-  _globals['_SHOULDCOMMITREQUEST']._serialized_end=2121
-  _globals['_SHOULDCOMMITRESPONSE']._serialized_start=2123
-  _globals['_SHOULDCOMMITRESPONSE']._serialized_end=2210
-  _globals['_KILLREQUEST']._serialized_start=2212
-  _globals['_KILLREQUEST']._serialized_end=2238
-  _globals['_KILLRESPONSE']._serialized_start=2240
-  _globals['_KILLRESPONSE']._serialized_end=2254
-  _globals['_PEERLOSTNOTICESREQUEST']._serialized_start=2256
-  _globals['_PEERLOSTNOTICESREQUEST']._serialized_end=2299
-  _globals['_PEERLOSTNOTICE']._serialized_start=2301
-  _globals['_PEERLOSTNOTICE']._serialized_end=2364
-  _globals['_LIGHTHOUSESERVICE']._serialized_start=2367
-  _globals['_LIGHTHOUSESERVICE']._serialized_end=2687
-  _globals['_MANAGERSERVICE']._serialized_start=2690
-  _globals['_MANAGERSERVICE']._serialized_end=3043
+  _globals['_LIGHTHOUSEHEARTBEATREQUEST']._serialized_end=865
+  _globals['_PEERLOST']._serialized_start=867
+  _globals['_PEERLOST']._serialized_end=932
+  _globals['_LIGHTHOUSEHEARTBEATRESPONSE']._serialized_start=935
+  _globals['_LIGHTHOUSEHEARTBEATRESPONSE']._serialized_end=1122
+  _globals['_LIGHTHOUSEPEERSTATE']._serialized_start=1125
+  _globals['_LIGHTHOUSEPEERSTATE']._serialized_end=1270
+  _globals['_MANAGERQUORUMREQUEST']._serialized_start=1273
+  _globals['_MANAGERQUORUMREQUEST']._serialized_end=1490
+  _globals['_MANAGERQUORUMRESPONSE']._serialized_start=1493
+  _globals['_MANAGERQUORUMRESPONSE']._serialized_end=1926
+  _globals['_CHECKPOINTMETADATAREQUEST']._serialized_start=1928
+  _globals['_CHECKPOINTMETADATAREQUEST']._serialized_end=1975
+  _globals['_CHECKPOINTMETADATARESPONSE']._serialized_start=1977
+  _globals['_CHECKPOINTMETADATARESPONSE']._serialized_end=2034
+  _globals['_SHOULDCOMMITREQUEST']._serialized_start=2036
+  _globals['_SHOULDCOMMITREQUEST']._serialized_end=2148
+  _globals['_SHOULDCOMMITRESPONSE']._serialized_start=2150
+  _globals['_SHOULDCOMMITRESPONSE']._serialized_end=2237
+  _globals['_KILLREQUEST']._serialized_start=2239
+  _globals['_KILLREQUEST']._serialized_end=2265
+  _globals['_KILLRESPONSE']._serialized_start=2267
+  _globals['_KILLRESPONSE']._serialized_end=2281
+  _globals['_PEERLOSTNOTICESREQUEST']._serialized_start=2283
+  _globals['_PEERLOSTNOTICESREQUEST']._serialized_end=2326
+  _globals['_PEERLOSTNOTICE']._serialized_start=2328
+  _globals['_PEERLOSTNOTICE']._serialized_end=2391
+  _globals['_LIGHTHOUSESERVICE']._serialized_start=2394
+  _globals['_LIGHTHOUSESERVICE']._serialized_end=2714
+  _globals['_MANAGERSERVICE']._serialized_start=2717
+  _globals['_MANAGERSERVICE']._serialized_end=3070
 # @@protoc_insertion_point(module_scope)

@@ -63,7 +63,7 @@ class LighthouseQuorumResponse(_message.Message):
     def __init__(self, quorum: _Optional[_Union[Quorum, _Mapping]] = ...) -> None: ...
 
 class LighthouseHeartbeatRequest(_message.Message):
-    __slots__ = ("replica_id", "leaving", "request_id", "quorum", "timeout_ms", "finished", "finished_step", "finished_quorum_id", "want_status", "want_frames_port")
+    __slots__ = ("replica_id", "leaving", "request_id", "quorum", "timeout_ms", "finished", "finished_step", "finished_quorum_id", "want_status", "want_frames_port", "gave_up_quorum_id")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class LighthouseHeartbeatRequest(_message.Message):
     FINISHED_QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
     WANT_STATUS_FIELD_NUMBER: _ClassVar[int]
     WANT_FRAMES_PORT_FIELD_NUMBER: _ClassVar[int]
+    GAVE_UP_QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     leaving: bool
     request_id: int
@@ -84,7 +85,8 @@ class LighthouseHeartbeatRequest(_message.Message):
     finished_quorum_id: int
     want_status: bool
     want_frames_port: bool
-    def __init__(self, replica_id: _Optional[str] = ..., leaving: _Optional[bool] = ..., request_id: _Optional[int] = ..., quorum: _Optional[_Union[LighthouseQuorumRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., finished: _Optional[bool] = ..., finished_step: _Optional[int] = ..., finished_quorum_id: _Optional[int] = ..., want_status: _Optional[bool] = ..., want_frames_port: _Optional[bool] = ...) -> None: ...
+    gave_up_quorum_id: int
+    def __init__(self, replica_id: _Optional[str] = ..., leaving: _Optional[bool] = ..., request_id: _Optional[int] = ..., quorum: _Optional[_Union[LighthouseQuorumRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., finished: _Optional[bool] = ..., finished_step: _Optional[int] = ..., finished_quorum_id: _Optional[int] = ..., want_status: _Optional[bool] = ..., want_frames_port: _Optional[bool] = ..., gave_up_quorum_id: _Optional[int] = ...) -> None: ...
 
 class PeerLost(_message.Message):
     __slots__ = ("quorum_id", "replica_id", "reason")
