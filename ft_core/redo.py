@@ -193,8 +193,7 @@ def _replay_at_wait(m: "Manager") -> None:
     enough = rules.survivors_can_commit(log.quorum_ids, log.lost, m.config.min_replica_size)
     if log.other_errors or start is None or not enough:
         why = "another error than the lost peer" if log.other_errors else "too few survivors to commit it" \
-            if not enough else "a reduction's input is gone (sent, and nothing kept or rebuilt it; FT_REDO_COPY=1 " \
-            "keeps a copy)"
+            if not enough else _gone(log.records)
         _emit(m, False, "not redoable", started)
         _fail(m, why)
         return
@@ -283,6 +282,15 @@ def _replay_start(log: ReductionLog) -> int | None:
         else:
             return split
     return 0
+
+
+def _gone(records: list[Reduction]) -> str:
+    """Why a replay cannot run: the first reduction whose input is gone, and the fix."""
+    i = next((i for i, r in enumerate(records) if not r.recoverable), None)
+    what = "a reduction's input" if i is None else \
+        f"the input of reduction {i} of this step ({records[i].tensor.numel()} {records[i].tensor.dtype}, {records[i].op})"
+    return f"{what} is gone (sent, and nothing kept or rebuilt it; pass keep_input=True to that Manager.allreduce, " \
+           f"or FT_REDO_COPY=1 keeps a copy of every one)"
 
 
 def _rebuild(records: list[Reduction]) -> list[bool]:

@@ -36,7 +36,7 @@ from ft_core import step_rules as rules
 from ft_core.control.lighthouse import LighthouseServer
 from ft_core.control.manager_client import ManagerClient
 from ft_core.control.manager_server import ManagerServer
-from ft_core.redo import RedoConfig, Reduction, ReductionLog, _replay_start, resolve
+from ft_core.redo import RedoConfig, Reduction, ReductionLog, _gone, _replay_start, resolve
 from ft_core.redo_log import KEEP_SMALL_BYTES
 from ft_core.stores import own_store
 
@@ -563,6 +563,8 @@ def test_the_reduction_log_keeps_copies_only_of_what_is_sent_in_buffers_reused_e
     assert sent.saved is None
     sent.intact = False
     assert not plain.redoable(errored=True, participating=True)  # sent, no copy: cannot be redone
+    why = _gone(plain.records)  # the step's error names that reduction and the fix
+    assert "reduction 0 of this step (257 torch.float32, " in why and "keep_input=True" in why, why
     small = plain.record(loss, ReduceOp.SUM, broken=False)  # a loss or metric, nothing rebuilds it: copied
     assert small.saved is not None and torch.equal(small.saved, loss) and small.saved.data_ptr() != loss.data_ptr()
     votes = torch.zeros(3)
