@@ -109,12 +109,14 @@ def test_a_group_that_skips_its_collectives_releases_its_peers_at_its_failed_com
 
 
 @pytest.mark.timeout(120)
-def test_a_survivor_redoes_its_step_without_a_peer_that_gave_up_that_step():
-    """As above with min_replicas 1: group 0 fails its own step and asks no quorum for a while; group 1's
-    reduction failed with group 0's process group. Group 0's failed commit tells the lighthouse it will not
-    redo that step (quorum rule 11), so group 1 redoes it alone at once and commits it (before 2026-12-07 its
-    redo waited for group 0 until its 30 s quorum timeout, and its step failed). At the next step group 0 heals
-    from group 1, and both hold the same state."""
+@pytest.mark.parametrize("asks_next_quorum", [False, True], ids=["no-quorum-asked", "next-quorum-at-once"])
+def test_a_survivor_redoes_its_step_without_a_peer_that_gave_up_that_step(asks_next_quorum):
+    """As above with min_replicas 1: group 0 fails its own step; group 1's reduction failed with group 0's
+    process group. Group 0's failed commit tells the lighthouse it will not redo that step (quorum rule 11), so
+    group 1 redoes it alone at once and commits it, whether group 0 asks no quorum for a while or its next one at
+    once (that request waits for the next decision). Before 2026-12-07 group 1's redo waited for group 0: to its
+    30 s quorum timeout, or until group 0's next quorum abandoned it; group 1's step failed either way. At the next
+    step group 0 heals from group 1, and both hold the same state."""
     timeout = timedelta(seconds=30)
     group1_done = threading.Event()
     together = threading.Barrier(2, timeout=60)
@@ -135,7 +137,9 @@ def test_a_survivor_redoes_its_step_without_a_peer_that_gave_up_that_step():
                 manager.wait_quorum()
                 manager.report_error(RuntimeError("the loss was NaN; skipping this step's backward"))
                 committed = manager.should_commit()
-                group1_done.wait(timeout.total_seconds() + 10)  # asks no quorum meanwhile
+                if asks_next_quorum:
+                    manager.start_quorum()  # the next step's, as a loop asks at once
+                group1_done.wait(timeout.total_seconds() + 10)
                 reduced = None
             else:
                 reduced = grad.clone()
@@ -147,7 +151,8 @@ def test_a_survivor_redoes_its_step_without_a_peer_that_gave_up_that_step():
                 wait_until(lambda: any(m["replica_id"].startswith("r0:") and m["waiting"]
                                        for m in lighthouse.core.status()["members"]), 30, "group 0 asking its quorum")
             waited = time.monotonic() - started
-            manager.start_quorum()  # the next step: group 0 heals from group 1
+            if i == 1 or not asks_next_quorum:
+                manager.start_quorum()  # the next step: group 0 heals from group 1
             manager.allreduce(grad.clone()).wait()
             assert manager.should_commit()
             together.wait()  # group 1 serves group 0's heal until group 0 has it

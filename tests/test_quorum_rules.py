@@ -275,6 +275,9 @@ CASES = [
          joined("b", shrink_only=True, redo_quorum_id=7), alive("a", "b"), ["b"], "not waited for by the redo, "
          "having given up the attempt it redoes: a", prev=quorum(7, "a", "b"), quorum_id=7, expect_id=8,
          gave_up={"a": 7}),
+    Case("the member that gave up already asks its next quorum: the redo goes on without it, its request waits",
+         joined("b", shrink_only=True, redo_quorum_id=7) + joined("a"), alive("a", "b"), ["b"],
+         "not waited for by the redo", prev=quorum(7, "a", "b"), quorum_id=7, expect_id=8, gave_up={"a": 7}),
     Case("giving up another attempt does not count", joined("b", shrink_only=True, redo_quorum_id=7),
          alive("a", "b"), None, "need more than half", prev=quorum(7, "a", "b"), quorum_id=7, gave_up={"a": 6}),
     Case("nor for a quorum that is no redo", joined("b", "c"), alive("a", "b", "c"), None,

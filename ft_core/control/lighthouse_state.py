@@ -140,7 +140,6 @@ class LighthouseCore:
                 self._heartbeats[rid] = now
                 self._expired.discard(rid)
             self._known[rid] = member
-            self._gave_up.pop(rid, None)  # asking again: rule 11's note has served
             before = self._waiting.get(rid)
             joined_at = before.joined_at if before else now
             self._add_waiting_locked(Joined(member, joined_at))
@@ -489,6 +488,9 @@ class LighthouseCore:
             self._reported = {rid: known for rid, known in self._reported.items() if known.quorum_id > quorum.quorum_id}
         self._issued += 1
         issued = Issued(quorum)
+        if self._gave_up:  # rule 11's note has served once its member is in a quorum again
+            for member in quorum.participants:
+                self._gave_up.pop(member.replica_id, None)
         for member in quorum.participants:
             if member.step > self._holders.get(member.replica_id, -1):
                 self._holders[member.replica_id] = member.step

@@ -231,16 +231,18 @@ def outside_last_quorum(waiting: Mapping[str, Joined], prev: Quorum | None, heal
 
 
 def gave_up_the_redo(waiting: Mapping[str, Joined], gave_up: Mapping[str, int]) -> set[str]:
-    """Rule 11: the members, not waiting, that failed to commit the step attempt every waiting shrink-only caller
-    redoes (their common redo_quorum_id; ft_core.redo) and will not redo it (their commit barrier decided so). Such a
-    member is alive but will not take part in that redo, so the redo does not wait for it: it counts as gone for
-    that decision (a straggler, the majority guard, min_replicas). Until 2026-12-07 the redo waited for it until
-    it asked its next quorum or the redo's deadline passed; it heals at its next quorum, as from any redone step."""
+    """Rule 11: the members that failed to commit the step attempt every waiting shrink-only caller redoes (their
+    common redo_quorum_id; ft_core.redo) and will not redo it (their commit barrier decided so). Such a member is
+    alive but takes no part in that redo, so the redo goes on without it: it counts as gone for that decision
+    (neither a candidate nor a straggler; the majority guard and min_replicas count without it). If it already asks
+    its next quorum, that request waits for the next decision, and it heals there from the redone step. Until
+    2026-12-07 the redo waited for it: until it asked its next quorum, which then abandoned the redo (the peers lost
+    the step), or, if it asked none, to the redo's quorum timeout."""
     attempts = {j.member.redo_quorum_id for j in waiting.values() if j.member.shrink_only}
     if len(attempts) != 1:
         return set()
     (attempt,) = attempts
-    return {rid for rid, qid in gave_up.items() if attempt and qid == attempt and rid not in waiting}
+    return {rid for rid, qid in gave_up.items() if attempt and qid == attempt}
 
 
 def decide(state: LighthouseState, now: float, config: QuorumConfig) -> Decision:
