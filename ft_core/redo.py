@@ -30,8 +30,9 @@ What can be redone (the copy policy):
   its input; one that was sent and failed is rebuilt when its integration can (`restore`: ft_core.ddp
   refills a chunk not yet delivered from the parameters' .grad, which DDP overwrites only once that
   bucket's future is done; for a group of one rank and DDP's default gradient_as_bucket_view=False): a
-  peer killed during the forward pass or mid-reduction. A chunk DDP already delivered stands with the dead peer's share while
-  the chunks after it are redone, when every survivor completed the same ones (else the step fails).
+  peer killed during the forward pass or mid-reduction. A chunk DDP already delivered stands with the dead
+  peer's share while the chunks after it are redone, when every survivor completed the same ones (else the
+  step fails).
   An input of at most 1 KiB that nothing rebuilds (a loss or metric the loop averages) is copied
   (`KEEP_SMALL_BYTES`). Not redone in this mode: a larger failed reduction that nothing can rebuild (a
   user `manager.allreduce` without keep_input), a timeout.
@@ -286,9 +287,9 @@ def _replay_start(log: ReductionLog) -> int | None:
 
 def _gone(records: list[Reduction]) -> str:
     """Why a replay cannot run: the first reduction whose input is gone, and the fix."""
-    i = next((i for i, r in enumerate(records) if not r.recoverable), None)
-    what = "a reduction's input" if i is None else \
-        f"the input of reduction {i} of this step ({records[i].tensor.numel()} {records[i].tensor.dtype}, {records[i].op})"
+    i, rec = next(((i, r) for i, r in enumerate(records) if not r.recoverable), (None, None))
+    what = "a reduction's input" if rec is None else \
+        f"the input of reduction {i} of this step ({rec.tensor.numel()} {rec.tensor.dtype}, {rec.op})"
     return f"{what} is gone (sent, and nothing kept or rebuilt it; pass keep_input=True to that Manager.allreduce, " \
            f"or FT_REDO_COPY=1 keeps a copy of every one)"
 

@@ -398,10 +398,9 @@ class LighthouseCore:
                                         if pair[0] in self._heartbeats and pair[1] in self._heartbeats}
             for rid in [r for r in self._known if r not in self._heartbeats and r not in self._waiters]:
                 del self._known[rid]
-            for rid in [r for r in self._holders if r not in self._heartbeats]:
-                del self._holders[rid]
-            for rid in [r for r in self._gave_up if r not in self._heartbeats]:
-                del self._gave_up[rid]
+            for table in (self._holders, self._gave_up):  # rules 9 and 11: only for members still heartbeating
+                for rid in [r for r in table if r not in self._heartbeats]:
+                    del table[rid]
             for rid in prune_heartbeats(self._dead, now, PRUNE_AFTER_TIMEOUTS * timeout):
                 del self._dead[rid]
             if self._reported:  # kept while rule 10 counts them: heartbeating, or within a timeout of the report
@@ -488,12 +487,10 @@ class LighthouseCore:
             self._reported = {rid: known for rid, known in self._reported.items() if known.quorum_id > quorum.quorum_id}
         self._issued += 1
         issued = Issued(quorum)
-        if self._gave_up:  # rule 11's note has served once its member is in a quorum again
-            for member in quorum.participants:
-                self._gave_up.pop(member.replica_id, None)
         for member in quorum.participants:
             if member.step > self._holders.get(member.replica_id, -1):
                 self._holders[member.replica_id] = member.step
+            self._gave_up.pop(member.replica_id, None)  # rule 11's note has served: it is in a quorum again
             self._waiting.pop(member.replica_id, None)
             for waiter in self._waiters.pop(member.replica_id, ()):
                 waiter.issued = issued
