@@ -247,6 +247,58 @@ def test_a_restarted_lighthouse_waits_for_a_member_of_the_managers_last_quorum_b
         "the restarted lighthouse issued without waiting for group_a of the managers' last quorum"
 
 
+STEP_HOLDER = """
+import sys, time
+from datetime import timedelta
+from ft_core.errors import FTError
+from ft_core.control.manager_server import ManagerServer
+
+server = ManagerServer(sys.argv[2], sys.argv[1], world_size=1)
+assert server.wait_heartbeat_connected(20), "heartbeat stream never connected"
+shown = None
+while True:  # a group that has committed step 7 and asks for its next quorum, again and again
+    try:
+        ids = server.quorum_local(0, 7, "", False, timedelta(seconds=5)).replica_ids
+    except FTError:
+        time.sleep(0.05)
+        continue
+    if ids != shown:
+        print(" ".join(ids), flush=True)
+        shown = ids
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_group_restarted_with_the_lighthouse_heals_from_the_job_instead_of_training_its_steps_again(
+        stack: ExitStack, processes: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Rule 12 end to end, as ftl chaos found it (c1, seed 36301, min_replicas 1): the lighthouse restarts while
+    group_b restarts too, and group_b asks the new lighthouse before group_a, which holds step 7, has reconnected
+    (here: frozen for that time). Alone, group_b would get a quorum at step 0 and commit steps 1-7 again."""
+    caplog.set_level(logging.DEBUG, logger="ft_core.control.lighthouse")
+    settings = dict(min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=5000, http_bind=None)
+    first = LighthouseServer(**settings)
+    stack.callback(first.shutdown)
+    port = first.address().rsplit(":", 1)[1]
+    holder = processes.python("-c", STEP_HOLDER, first.address(), "group_a", stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().split() == ["group_a"], "group_a never got its quorum"
+    holder.send_signal(signal.SIGSTOP)  # not reconnected yet: its process has not run since the restart
+    stack.callback(holder.send_signal, signal.SIGCONT)
+    first.shutdown()
+
+    stack.enter_context(LighthouseServer(bind=f"127.0.0.1:{port}", **settings))
+    monkeypatch.setenv("FT_RESTART_COUNT", "1")  # as `ftl launch` starts a restarted group
+    (restarted,) = start_groups(stack, f"127.0.0.1:{port}", ["group_b"], world_size=1)
+    with futures.ThreadPoolExecutor(max_workers=1) as pool:
+        asked = pool.submit(restarted.clients[0].quorum, 0, 0, "", False, timedelta(seconds=20))
+        time.sleep(0.5)
+        holder.send_signal(signal.SIGCONT)
+        result = asked.result(timeout=30)
+    assert result.replica_ids == ["group_a", "group_b"], "the restarted group got a quorum without the job's holder"
+    assert result.max_step == 7 and result.heal, "the restarted group must heal from step 7, not train it again"
+    statuses = [r.getMessage() for r in caplog.records if r.getMessage().startswith("quorum status:")]
+    assert any("group_b restarted and no participant reports a last quorum" in s for s in statuses), statuses[-3:]
+
+
 @pytest.mark.timeout(60)
 def test_first_lighthouse_address_dead_managers_use_the_second(stack: ExitStack) -> None:
     lighthouse = stack.enter_context(LighthouseServer(min_replicas=2, join_timeout_ms=60_000, http_bind=None))

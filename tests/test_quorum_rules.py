@@ -49,6 +49,7 @@ class Case:
     reported: dict[str, tuple[int, float]] | None = None  # replica_id -> (reported quorum id, seconds since learned)
     holders: dict[str, int] | None = None  # replica_id -> highest step it brought to an issued quorum (rule 9)
     gave_up: dict[str, int] | None = None  # replica_id -> the step attempt it will not redo (rule 11)
+    serving: float | None = None  # seconds since the lighthouse started serving the job (rule 12; None: long ago)
     excluded: list[str] = field(default_factory=list)  # rule 2: shrink-only callers outside the last quorum, answered
     config: QuorumConfig = field(default_factory=lambda: QuorumConfig(min_replicas=1, join_timeout_ms=60_000,
                                                                       heartbeat_timeout_ms=5_000))
@@ -287,6 +288,26 @@ CASES = [
          joined("b", shrink_only=True, redo_quorum_id=7), alive("a", "b"), None, "shrink-only outside the last quorum",
          prev=quorum(7, "a", "b"), quorum_id=7, gave_up={"a": 7}, excluded=["b"],
          config=QuorumConfig(min_replicas=2, join_timeout_ms=60_000, heartbeat_timeout_ms=5_000)),
+    # rule 12: a lighthouse that has just started gives the job's live members time to reconnect before a restart
+    Case("a restarted group alone at a lighthouse started 1 s ago waits out its heartbeat timeout",
+         joined("r", restarted=True), alive("r"), None, "r restarted and no participant reports a last quorum",
+         serving=1.0),
+    Case("the wait says how long is left", joined("r", restarted=True), alive("r"), None, "Waiting 4.0 s more",
+         serving=1.0),
+    Case("past the lighthouse's first heartbeat timeout it is issued", joined("r", restarted=True), alive("r"),
+         ["r"], "Valid quorum found", serving=5.0, expect_id=1),
+    Case("a member that reconnected in that time counts (the majority guard), so the restart does not go alone",
+         joined("r", restarted=True), alive("a", "r"), None, "need more than half", serving=5.0),
+    Case("a fresh job's groups are no restarts: a new lighthouse issues their first quorum at once",
+         joined("a", "b"), alive("a", "b"), ["a", "b"], "Valid quorum found", serving=0.5, expect_id=1),
+    Case("a restart beside a fresh group waits too (scaled up while the lighthouse restarted)",
+         joined("a") + joined("r", restarted=True), alive("a", "r"), None, "r restarted", serving=0.5),
+    Case("a participant that reports a last quorum: rule 10 knows the job's members, no wait for the restart",
+         joined("a", last_quorum_id=9) + joined("r", restarted=True), alive("a", "r"), ["a", "r"],
+         "Valid quorum found", serving=0.5, expect_id=10),
+    Case("a restarted group that has been in a quorum reports it: no wait",
+         joined("r", restarted=True, last_quorum_id=9), alive("r"), ["r"], "Valid quorum found", serving=0.5,
+         expect_id=10),
 ]
 
 
@@ -298,7 +319,8 @@ def test_decide(case: Case) -> None:
         prev_quorum=case.prev, quorum_id=case.quorum_id,
         first_seen={rid: NOW - ago for rid, ago in (case.first_seen or {}).items()},
         reported={rid: Reported(qid, NOW - ago) for rid, (qid, ago) in (case.reported or {}).items()},
-        holders=case.holders or {}, gave_up=case.gave_up or {})
+        holders=case.holders or {}, gave_up=case.gave_up or {},
+        serving_since=float("-inf") if case.serving is None else NOW - case.serving)
     decision = decide(state, NOW, case.config)
     got = None if decision.participants is None else [p.replica_id for p in decision.participants]
     assert got == case.expect, decision.reason

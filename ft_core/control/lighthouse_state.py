@@ -102,6 +102,7 @@ class LighthouseCore:
         self._reported: dict[str, Reported] = {}  # members of quorums it never issued (rule 10)
         self._holders: dict[str, int] = {}  # replica_id -> highest step it brought to a quorum issued here (rule 9)
         self._gave_up: dict[str, int] = {}  # replica_id -> the step attempt (quorum id) it will not redo (rule 11)
+        self._serving_since = time.monotonic()  # started, or took over from standing by (rule 12)
         self._warned_refused: set[tuple[str, str]] = set()  # (refused, older) pairs already logged
         self._notified: set[tuple[int, str]] = set()  # (quorum_id, lost replica) already pushed
         self._notifier: PeerLostNotifier | None = None
@@ -223,6 +224,7 @@ class LighthouseCore:
                 return
             self._standing_by_for, self._redirect = target, message or None
             if active is None:
+                self._serving_since = now
                 logger.warning("lighthouse %s serves the job again: no reachable peer lighthouse outranks it",
                                self.address, extra={"event": "lighthouse_active"})
                 if self._waiting and not self._closed:
@@ -450,7 +452,7 @@ class LighthouseCore:
 
     def _state_locked(self) -> LighthouseState:
         return LighthouseState(self._waiting, self._heartbeats, self._prev, self._quorum_id, self._first_seen,
-                               self._reported, self._holders, self._gave_up)
+                               self._reported, self._holders, self._gave_up, self._serving_since)
 
     def _decide_locked(self, now: float) -> None:
         if self._awaiting_peers or self._redirect is not None:

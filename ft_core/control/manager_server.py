@@ -350,7 +350,7 @@ class ManagerServer:
         commit_failures = max(r.commit_failures for r in requests)
         return QuorumMember(
             replica_id=self.replica_id, address=self._address, store_address=self.config.store_addr,
-            step=requests[0].step, world_size=self.config.world_size,
+            step=requests[0].step, world_size=self.config.world_size, restarted=self.config.restarted,
             shrink_only=any(r.shrink_only for r in requests), commit_failures=commit_failures,
             last_quorum_id=self._last_quorum_id, last_quorum_replica_ids=self._last_quorum_replica_ids,
             unreachable=self._probe_peers(commit_failures, deadline) if probe else (),

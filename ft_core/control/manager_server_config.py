@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -27,6 +28,7 @@ class ManagerServerConfig:
     quorum_retries: int
     token: str | None = field(default=None, repr=False)
     allow_kill: bool | None = None
+    restarted: bool = False  # a restarted incarnation of its group (quorum rule 12)
 
     @property
     def kill_allowed(self) -> bool:
@@ -56,4 +58,12 @@ def resolve_config(replica_id: str, lighthouse_addr: str | list[str] | None, hos
         replica_id=replica_id, lighthouse_addrs=tuple(addrs), hostname=hostname, bind=bind, store_addr=store_addr,
         world_size=world_size, heartbeat_interval=heartbeat_interval,
         connect_timeout=settings.value("FT_CONNECT_TIMEOUT_SEC", connect_timeout), quorum_retries=retries,
-        token=settings.value("FT_TOKEN", token) or None, allow_kill=settings.value("FT_ALLOW_KILL", allow_kill))
+        token=settings.value("FT_TOKEN", token) or None, allow_kill=settings.value("FT_ALLOW_KILL", allow_kill),
+        restarted=restarted_incarnation())
+
+
+def restarted_incarnation() -> bool:
+    """Whether this process is a restarted incarnation of its replica group, so it joins a job that ran before:
+    `ftl launch` (FT_RESTART_COUNT) or torchrun (TORCHELASTIC_RESTART_COUNT) restarted it (quorum rule 12)."""
+    elastic = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip()
+    return settings.value("FT_RESTART_COUNT") > 0 or (elastic.isdigit() and int(elastic) > 0)

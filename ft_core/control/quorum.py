@@ -68,6 +68,7 @@ class LighthouseState:
     reported: Mapping[str, Reported] = field(default_factory=dict)  # replica_id -> its report (rule 10)
     holders: Mapping[str, int] = field(default_factory=dict)  # replica_id -> top step it brought to a quorum (rule 9)
     gave_up: Mapping[str, int] = field(default_factory=dict)  # replica_id -> attempt it will not redo (rule 11)
+    serving_since: float = float("-inf")  # when this lighthouse started serving the job: started, or took over (rule 12)
 
 
 @dataclass(frozen=True)
@@ -246,7 +247,7 @@ def gave_up_the_redo(waiting: Mapping[str, Joined], gave_up: Mapping[str, int]) 
 
 
 def decide(state: LighthouseState, now: float, config: QuorumConfig) -> Decision:
-    """Rules 1-11: whether a quorum can be issued now, with whom, and the reason either way."""
+    """Rules 1-12: whether a quorum can be issued now, with whom, and the reason either way."""
     healthy = healthy_replicas(state.heartbeats, now, config)
     refused = refused_incarnations({rid: state.first_seen.get(rid, 0.0) for rid in healthy}) \
         if state.first_seen else {}
@@ -286,6 +287,16 @@ def decide(state: LighthouseState, now: float, config: QuorumConfig) -> Decision
         unheard = unheard_reported_members(state, now, config)
         if unheard:
             return wait(unheard_reason(unheard, now, config))
+
+    young = config.heartbeat_timeout_s - (now - state.serving_since)
+    restarted = restarted_without_history(candidates) if young > 0 else []
+    if restarted:  # rule 12: a lighthouse that has just started waits for the members it has not heard yet
+        return wait(f"New quorum not ready: {', '.join(restarted)} restarted and no "
+                    f"participant reports a last quorum, while this lighthouse started serving the job "
+                    f"{now - state.serving_since:.1f} s ago (it restarted or took over): live members that hold "
+                    f"the job's steps may not have reconnected yet, and a quorum without them would train those "
+                    f"steps again. Waiting {young:.1f} s more (heartbeat_timeout, "
+                    f"{config.heartbeat_timeout_ms} ms, after its start).")
 
     prev = state.prev_quorum
     prev_ids = set(prev.replica_ids) if prev is not None else set()
@@ -331,6 +342,20 @@ def decide(state: LighthouseState, now: float, config: QuorumConfig) -> Decision
                         f"{', '.join(rid for rid, _ in ahead)} (healthy, not participating); waiting for it to "
                         f"rejoin or stop heartbeating, since a quorum without it would train committed steps again.")
     return issue(candidates, "Valid quorum found.")
+
+
+def restarted_without_history(candidates: Sequence[QuorumMember]) -> list[str]:
+    """Rule 12: the restarted candidates (a group's later incarnation: it joins a job that ran before), when no
+    candidate reports a last quorum; else none. A lighthouse knows a job's live members only from their heartbeats,
+    and one that has just started (restarted, or a standby that took over) may not have heard them yet: a member
+    reconnects within about a second (its stream's backoff). Rule 10 covers the members a report names; with no
+    report, a restarted group alone (and min_replicas 1 allows that) would train the job's steps again from its
+    start or its checkpoint, and commit them beside the members that hold them. Found by ftl chaos (c1, seed
+    36301, min_replicas 1): a group restarted with the lighthouse asked first and committed steps 1-3 again.
+    A fresh job's groups are no restarts, so a new job's first quorum is not delayed."""
+    if any(m.last_quorum_id for m in candidates):
+        return []
+    return [m.replica_id for m in candidates if m.restarted]
 
 
 def healthy_holders_ahead(prev: Quorum | None, holders: Mapping[str, int], healthy: Collection[str],

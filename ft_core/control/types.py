@@ -33,6 +33,7 @@ class QuorumMember:
     rebuild: bool = False  # its process group is broken with no failure counted yet (a redo): fresh quorum_id
     redo_quorum_id: int = 0  # the quorum id of the step attempt it redoes (ft_core.redo; 0: not a redo)
     reductions: str = ""  # digest of the gradient chunks it reduces across groups (ft_core.ddp; "": unknown)
+    restarted: bool = False  # a restarted incarnation of its group: it joins a job that ran before (rule 12)
 
     # Spelled out field by field: these run for every member of every quorum on both sides of the
     # wire, and reflection (dataclasses.fields) made them the control plane's hottest Python code.
@@ -43,7 +44,8 @@ class QuorumMember:
                                    commit_failures=self.commit_failures, last_quorum_id=self.last_quorum_id,
                                    unreachable=self.unreachable, commit_quorum_id=self.commit_quorum_id,
                                    last_quorum_replica_ids=self.last_quorum_replica_ids, rebuild=self.rebuild,
-                                   redo_quorum_id=self.redo_quorum_id, reductions=self.reductions)
+                                   redo_quorum_id=self.redo_quorum_id, reductions=self.reductions,
+                                   restarted=self.restarted)
 
     @classmethod
     def from_pb(cls, msg: ft_pb2.QuorumMember) -> "QuorumMember":
@@ -59,7 +61,7 @@ class QuorumMember:
                                unreachable=tuple(unreachable[:]) if unreachable else (),
                                commit_quorum_id=msg.commit_quorum_id,
                                last_quorum_replica_ids=tuple(reported[:]) if reported else (), rebuild=msg.rebuild,
-                               redo_quorum_id=msg.redo_quorum_id, reductions=msg.reductions)
+                               redo_quorum_id=msg.redo_quorum_id, reductions=msg.reductions, restarted=msg.restarted)
         return member
 
     def without_last_quorum(self) -> "QuorumMember":

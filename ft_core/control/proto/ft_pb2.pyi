@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class QuorumMember(_message.Message):
-    __slots__ = ("replica_id", "address", "store_address", "step", "world_size", "shrink_only", "data", "commit_failures", "last_quorum_id", "unreachable", "commit_quorum_id", "last_quorum_replica_ids", "rebuild", "redo_quorum_id", "reductions")
+    __slots__ = ("replica_id", "address", "store_address", "step", "world_size", "shrink_only", "data", "commit_failures", "last_quorum_id", "unreachable", "commit_quorum_id", "last_quorum_replica_ids", "rebuild", "redo_quorum_id", "reductions", "restarted")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class QuorumMember(_message.Message):
     REBUILD_FIELD_NUMBER: _ClassVar[int]
     REDO_QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
     REDUCTIONS_FIELD_NUMBER: _ClassVar[int]
+    RESTARTED_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     store_address: str
@@ -38,7 +39,8 @@ class QuorumMember(_message.Message):
     rebuild: bool
     redo_quorum_id: int
     reductions: str
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., store_address: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., shrink_only: _Optional[bool] = ..., data: _Optional[str] = ..., commit_failures: _Optional[int] = ..., last_quorum_id: _Optional[int] = ..., unreachable: _Optional[_Iterable[str]] = ..., commit_quorum_id: _Optional[int] = ..., last_quorum_replica_ids: _Optional[_Iterable[str]] = ..., rebuild: _Optional[bool] = ..., redo_quorum_id: _Optional[int] = ..., reductions: _Optional[str] = ...) -> None: ...
+    restarted: bool
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., store_address: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., shrink_only: _Optional[bool] = ..., data: _Optional[str] = ..., commit_failures: _Optional[int] = ..., last_quorum_id: _Optional[int] = ..., unreachable: _Optional[_Iterable[str]] = ..., commit_quorum_id: _Optional[int] = ..., last_quorum_replica_ids: _Optional[_Iterable[str]] = ..., rebuild: _Optional[bool] = ..., redo_quorum_id: _Optional[int] = ..., reductions: _Optional[str] = ..., restarted: _Optional[bool] = ...) -> None: ...
 
 class Quorum(_message.Message):
     __slots__ = ("quorum_id", "participants", "created_unix_ms")
