@@ -22,6 +22,7 @@ import time
 STARTED = time.time()  # before the heavy imports: the benchmark splits start-up from the rest
 
 import argparse  # noqa: E402
+import faulthandler  # noqa: E402
 import gc  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
@@ -236,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         events.setLevel(logging.DEBUG)  # every event: routine quorums and commits are DEBUG
         events.addHandler(JsonLines(args.events.format(rank=rank)))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # every thread's stack, when a test sees it stall
 
     torch.manual_seed(args.seed)
     widths = [args.in_features, *args.hidden]

@@ -51,6 +51,7 @@ What can be redone (the copy policy):
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -179,6 +180,21 @@ def _redo_at_wait(m: "Manager") -> None:
         _fail(m, f"{type(exc).__name__}: {exc}")
 
 
+SLOW_WAIT_S = 5.0  # a redo's wait on a collective longer than this is logged: an abort should end it at once
+
+
+def _wait_noting(m: "Manager", fut: torch.futures.Future, what: str) -> None:
+    """fut.wait(), with a warning naming `what` when it has not settled after SLOW_WAIT_S: the wait then lasts
+    up to the collective timeout, and the log says where a stalled redo was."""
+    if not fut.done():
+        settled = threading.Event()
+        fut.add_done_callback(lambda _: settled.set())
+        if not settled.wait(SLOW_WAIT_S):
+            logger.warning("%s redo at the wait: %s has not settled after %.0f s; waiting for it up to the "
+                           "collective timeout", m._prefix(), what, SLOW_WAIT_S)
+    fut.wait()
+
+
 def _replay_at_wait(m: "Manager") -> None:
     """Wait for the step's first attempts to settle, form the quorum again for the same step, rebuild
     the process group, agree with the other survivors where the replay starts (`_replay_start`), re-issue
@@ -186,9 +202,9 @@ def _replay_at_wait(m: "Manager") -> None:
     log = m._redo
     started = time.perf_counter()
     with log.lock:
-        firsts = [r.first for r in log.records if r.first is not None]
-    for first in firsts:
-        first.wait()  # settled futures never fail; bounded by the collective timeout (the group was aborted)
+        firsts = [(i, r.first) for i, r in enumerate(log.records) if r.first is not None]
+    for i, first in firsts:  # settled futures never fail; the group was aborted, which fails them at once
+        _wait_noting(m, first, f"the first attempt of reduction {i}")
     with log.lock:
         start = _replay_start(log)
     enough = rules.survivors_can_commit(log.quorum_ids, log.lost, m.config.min_replica_size)
@@ -231,8 +247,8 @@ def _replay_at_wait(m: "Manager") -> None:
         done += 1
         _input_again(rec)
         pending.append(m._reduce(rec.tensor, rec.op, wait=False, divided_by=rec.divided_by))
-    for fut in pending:
-        fut.wait()  # never fails; bounded by the collective timeout
+    for i, fut in enumerate(pending):  # never fails; bounded by the collective timeout
+        _wait_noting(m, fut, f"replayed reduction {start + i}")
     if m._errored is not None:
         _emit(m, False, "replay failed", started)
         _fail(m, f"replay: {m._errored}")

@@ -175,8 +175,41 @@ def wait_until(predicate: Any, timeout: float, what: str, groups: list[Group] | 
                 raise AssertionError(f"group {g.group_id} exited with {g.proc.returncode} while waiting for "
                                      f"{what}:\n{g.output()[-3000:]}")
         time.sleep(0.05)
-    tails = "\n".join(f"--- group {g.group_id} ---\n{g.output()[-2000:]}" for g in groups or [])
+    tail = 40_000 if dump_stacks(groups or []) else 2000  # the stacks too
+    tails = "\n".join(f"--- group {g.group_id} ---\n{g.output()[-tail:]}" for g in groups or [])
     raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{tails}")
+
+
+def dump_stacks(groups: list[Group]) -> bool:
+    """Have every live worker of `groups` print all its threads' stacks to its output (SIGUSR1: train_ddp.py's
+    faulthandler), so a stall that fails a test says where each group waits; True if any was asked."""
+    asked = False
+    for g in groups:
+        if g.proc is None or g.proc.poll() is not None:
+            continue
+        # a plain group is the worker itself; torchrun's workers are its children (torchrun dies of SIGUSR1)
+        pids = [g.proc.pid] if g.nproc == 1 else child_pids(g.proc.pid)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGUSR1)
+                asked = True
+            except ProcessLookupError:
+                pass
+    if asked:
+        time.sleep(1.0)
+    return asked
+
+
+def child_pids(pid: int) -> list[int]:
+    """The children of live process `pid`, started by any of its threads (Linux /proc; none elsewhere)."""
+    found = []
+    for path in glob.glob(f"/proc/{pid}/task/*/children"):
+        try:
+            with open(path) as f:
+                found += [int(c) for c in f.read().split()]
+        except OSError:
+            pass  # that thread ended
+    return found
 
 
 def healthy_members(lighthouse: Any, prefix: str) -> set[str]:
