@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -95,6 +96,7 @@ class EventRecorder(logging.Handler):
         super().__init__(level=logging.DEBUG)  # every event: routine ones (a quorum that changed nothing) are DEBUG
         self._log = log
         self.last_quorum: dict[str, Any] = {}
+        self.redo: dict[str, Any] | None = None  # the latest replayed redo (ft_core.redo); the loop clears it per step
 
     def emit(self, record: logging.LogRecord) -> None:
         event = getattr(record, "ft_event", None)
@@ -102,6 +104,8 @@ class EventRecorder(logging.Handler):
             return
         if event.get("type") == "quorum":
             self.last_quorum = dict(event)
+        elif event.get("type") == "redo" and event.get("replayed"):
+            self.redo = dict(event)
         self._log.write("event", event=event)
 
 
@@ -266,11 +270,38 @@ def issue_reductions(manager: Manager, seed: int, extremes: bool) -> dict[str, f
     return {name: float(t.item()) for name, t in tensors.items()}
 
 
-def expected_reductions(got: dict[str, float], seed: int, n: int) -> dict[str, list[float]]:
-    """{name: [got, expected]} once the step committed: the participants had ranks 0..n-1."""
-    values = [extreme_value(seed, n, r) for r in range(n)]
-    expected = {"avg": (n - 1) / 2.0, "max": max(values, default=0.0), "min": min(values, default=0.0)}
-    return {name: [value, expected[name]] for name, value in got.items()}
+def expected_reductions(got: dict[str, float], seed: int, n: int, redo: dict[str, Any] | None = None,
+                        issued: tuple[int, int | None] | None = None) -> dict[str, list[float]]:
+    """{name: [got, expected]} once the step committed with `n` participants, which had ranks 0..n-1.
+
+    A step redone without a lost group (`redo`: its replayed redo event; `issued`: the participants and this
+    group's rank when it issued the reductions) holds two kinds of values (docs/guarantees.md, "Redone
+    steps"): the step's first `kept` reductions stood as the old quorum reduced them, and the rest were
+    replayed among the survivors, from the inputs they issued for the old quorum (their old ranks), divided
+    by the survivors' count. So the checked reductions (in the order issued) must be a prefix that stood
+    (none if `kept` is 0), then the rest as one set of `n` old ranks, this group's among them, reduces them.
+    Which old ranks survived this group cannot see: the first such split that explains every value is the
+    expectation; if none does, the plain one (every reduction replayed by the first such set)."""
+    if redo is None or issued is None or issued[1] is None:
+        return {name: [value, _expected(seed, n, range(n))[name]] for name, value in got.items()}
+    old, mine = issued
+    names = list(got)
+    whole = _expected(seed, old, range(old))
+    sets = [_expected(seed, old, ranks) for ranks in itertools.combinations(range(old), n) if mine in ranks]
+    splits = [(k, e) for k in (range(len(names) + 1) if redo.get("kept") else [0]) for e in sets or [whole]]
+    for k, survivors in splits + splits[:1]:  # the fallback: the first split, reported as it is
+        expected = {name: (whole if i < k else survivors)[name] for i, name in enumerate(names)}
+        if all(abs(expected[name] - got[name]) <= 1e-9 * max(1.0, abs(got[name])) for name in names):
+            break
+    return {name: [got[name], expected[name]] for name in names}
+
+
+def _expected(seed: int, n: int, ranks: Any) -> dict[str, float]:
+    """AVG, MAX and MIN over the inputs that participants `ranks` of `n` contribute."""
+    ranks = list(ranks)
+    values = [extreme_value(seed, n, r) for r in ranks]
+    return {"avg": sum(ranks) / len(ranks) if ranks else 0.0, "max": max(values, default=0.0),
+            "min": min(values, default=0.0)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -359,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def one_step(drawn: list[int] | None) -> tuple[bool, dict[str, Any]]:
         step = manager.current_step()
+        recorder.redo = None  # set if this step is redone
         manager.start_quorum()  # one Manager step per optimizer step (two per batch with --optimizers 2)
         for o in inners:
             o.zero_grad()
@@ -375,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
             ddp.backward(loss)
         else:
             loss.backward()
+        issued = (manager.num_participants(), manager.participating_rank())
         got = issue_reductions(manager, args.seed, args.extremes)
         # a skipped optimizer step (e.g. a GradScaler inf): every rank of the group draws the same,
         # and only a step's first attempt may skip (a skipped step is retried, never skipped forever)
@@ -393,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         # the step committed is current_step() - 1 (a healed group adopted its source's step), so its
         # parity picks the same optimizer on every group
         inners[(manager.current_step() - 1) % len(inners)].step()
-        extra["reduce"] = expected_reductions(got, args.seed, manager.num_participants())
+        extra["reduce"] = expected_reductions(got, args.seed, manager.num_participants(), recorder.redo, issued)
         return True, extra
 
     try:

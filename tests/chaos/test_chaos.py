@@ -106,6 +106,35 @@ def test_expected_reductions_are_the_participants_alone():
     assert all(v < 0 for v in values)  # a zero (a healer's contribution under MAX) can never be right
 
 
+def survivors_values(old: int, ranks: tuple[int, ...]) -> dict[str, float]:
+    values = [extreme_value(0, old, r) for r in ranks]
+    return {"avg": sum(ranks) / len(ranks), "max": max(values), "min": min(values)}
+
+
+REPLAYED = {"type": "redo", "replayed": True, "reductions": 4, "kept": 1}
+
+
+@pytest.mark.parametrize("got, issued, n, ok", [
+    # found by ftl chaos (c1, seed 36301, min_replicas 1): group 1 of 3 killed mid-step, groups 0 and 2 replayed
+    # the checked reductions from their old inputs (ranks 0 and 2 of 3) and divided by 2
+    (survivors_values(3, (0, 2)), (3, 0), 2, True),
+    (survivors_values(3, (0, 2)), (3, 2), 2, True),
+    (survivors_values(2, (1,)), (2, 1), 1, True),  # a lone survivor: its own values
+    # the AVG completed before the loss and stood (the old quorum's), MAX and MIN were replayed
+    ({"avg": 1.0, **{k: v for k, v in survivors_values(3, (0, 2)).items() if k != "avg"}}, (3, 0), 2, True),
+    # wrong: replayed values divided by the old count, a set without this group, a value no split explains
+    ({**survivors_values(3, (0, 2)), "avg": 2 / 3}, (3, 0), 2, False),
+    (survivors_values(3, (1, 2)), (3, 0), 2, False),
+    ({**survivors_values(3, (0, 2)), "min": survivors_values(3, (0, 1, 2))["min"] - 1}, (3, 0), 2, False),
+])
+def test_a_replayed_step_is_checked_against_the_survivors_old_inputs(got, issued, n, ok):
+    checked = expected_reductions(got, 0, n, REPLAYED, issued)
+    assert list(checked) == list(got)
+    assert all(pair[0] == got[name] for name, pair in checked.items())
+    matches = all(abs(pair[0] - pair[1]) <= 1e-9 * max(1.0, abs(pair[1])) for pair in checked.values())
+    assert matches == ok, checked
+
+
 @pytest.mark.parametrize("rank0, rank1, wedged", [
     ([1, 2, 3], [1, 2, 3], False),
     ([1, 2, 3, 4], [1, 2, 3], False),  # killed: rank 1 did not log step 4 before the SIGKILL
