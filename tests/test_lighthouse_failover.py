@@ -17,7 +17,9 @@ import pytest
 from conftest import assert_bounded, child_env, run_calls
 
 from ft_core.control.lighthouse import LighthouseServer
+from ft_core.control.lighthouse_calls import Waiter
 from ft_core.control.lighthouse_client import LighthouseClient
+from ft_core.control.lighthouse_state import LighthouseConfig, LighthouseCore
 from ft_core.control.lighthouse_peers import PeerState, PeerView, choose_active, redirect_message, redirect_target
 from ft_core.control.types import Quorum, QuorumMember
 from ft_core.errors import ConfigError
@@ -155,6 +157,25 @@ def test_the_lighthouse_that_serves_holds_the_highest_step_then_most_members_the
              for s, pos, age, problem in peers]
     chosen = choose_active(own, position, views, NOW, STALE_S)
     assert (chosen.address if chosen else None) == expected
+
+
+@pytest.mark.timeout(10)
+def test_a_standby_that_takes_over_waits_a_heartbeat_timeout_before_a_restarted_group_goes_on():
+    """Quorum rule 12 counts from when a lighthouse began to serve the job, not from its start: a standby that ran
+    long but took over a moment ago has not heard the job's members either, so a restarted group alone waits."""
+    core = LighthouseCore(LighthouseConfig(min_replicas=1, heartbeat_timeout_ms=400, http_bind=None,
+                                           peers=("127.0.0.1:1", "127.0.0.1:2")))
+    core.set_peer_picture(PeerView("127.0.0.1:1", 0, state("primary", 2, 40)), "stand by", [])
+    time.sleep(0.5)  # this lighthouse is older than its heartbeat timeout
+    core.set_peer_picture(None, "", [])  # the primary is gone: this one serves the job from now on
+    restarted = Waiter(QuorumMember("g1:b", restarted=True), lambda: None)
+    core.join(restarted)
+    assert restarted.issued is None
+    assert "g1:b restarted and no participant reports a last quorum" in core.status()["reason"]
+    time.sleep(0.45)
+    core.heartbeat("g1:b")  # alive all along (its heartbeat stream)
+    core.tick()
+    assert restarted.issued is not None and restarted.issued.quorum.replica_ids == ["g1:b"]
 
 
 @pytest.mark.timeout(10)

@@ -68,7 +68,7 @@ class LighthouseState:
     reported: Mapping[str, Reported] = field(default_factory=dict)  # replica_id -> its report (rule 10)
     holders: Mapping[str, int] = field(default_factory=dict)  # replica_id -> top step it brought to a quorum (rule 9)
     gave_up: Mapping[str, int] = field(default_factory=dict)  # replica_id -> attempt it will not redo (rule 11)
-    serving_since: float = float("-inf")  # when this lighthouse started serving the job: started, or took over (rule 12)
+    serving_since: float = float("-inf")  # when this lighthouse began to serve the job: started or took over (rule 12)
 
 
 @dataclass(frozen=True)
