@@ -191,7 +191,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("num_replica_groups", "NUM_REPLICA_GROUPS", parse_int, 1, "integer",
             "how many replica groups the training data is sharded over", set_by=LAUNCHER),
     Setting("restart_count", "FT_RESTART_COUNT", parse_int, 0, "integer",
-            "how many times `ftl launch` has restarted this replica group", set_by=LAUNCHER),
+            "how many times `ftl launch` has restarted this replica group; above 0 (or torchrun's "
+            "TORCHELASTIC_RESTART_COUNT), a lighthouse that has just started lets the job's live members reconnect "
+            "before this group forms a quorum without them (quorum rule 12)", set_by=LAUNCHER),
 )
 
 _BY_KEY: dict[str, Setting] = {**{s.name: s for s in SETTINGS}, **{s.env: s for s in SETTINGS}}
