@@ -20,6 +20,7 @@ from conftest import run_calls
 from ft_core.errors import FTError, FTTimeoutError, RPCError
 from ft_core.control.lighthouse import LighthouseServer
 from ft_core.control.manager_server import ManagerClient, ManagerServer, QuorumResult
+from ft_core.control.manager_server_config import restarted_incarnation
 
 ROUND_TIMEOUT = timedelta(seconds=5)
 SLACK_S = 1.0  # scheduling slack on a busy 2-core machine, on top of every bound the spec states
@@ -297,6 +298,20 @@ def test_a_group_restarted_with_the_lighthouse_heals_from_the_job_instead_of_tra
     assert result.max_step == 7 and result.heal, "the restarted group must heal from step 7, not train it again"
     statuses = [r.getMessage() for r in caplog.records if r.getMessage().startswith("quorum status:")]
     assert any("group_b restarted and no participant reports a last quorum" in s for s in statuses), statuses[-3:]
+
+
+@pytest.mark.parametrize("env, restarted", [
+    ({}, False), ({"FT_RESTART_COUNT": "0"}, False), ({"FT_RESTART_COUNT": "2"}, True),
+    ({"TORCHELASTIC_RESTART_COUNT": "1"}, True), ({"TORCHELASTIC_RESTART_COUNT": "0"}, False),
+    ({"TORCHELASTIC_RESTART_COUNT": "x"}, False),
+])
+def test_a_group_knows_it_restarted_from_ftl_launch_or_torchrun(monkeypatch: pytest.MonkeyPatch,
+                                                                  env: dict[str, str], restarted: bool) -> None:
+    for name in ("FT_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert restarted_incarnation() is restarted
 
 
 @pytest.mark.timeout(60)
