@@ -291,12 +291,11 @@ def decide(state: LighthouseState, now: float, config: QuorumConfig) -> Decision
     young = config.heartbeat_timeout_s - (now - state.serving_since)
     restarted = restarted_without_history(candidates) if young > 0 else []
     if restarted:  # rule 12: a lighthouse that has just started waits for the members it has not heard yet
-        return wait(f"New quorum not ready: {', '.join(restarted)} restarted and no "
-                    f"participant reports a last quorum, while this lighthouse started serving the job "
-                    f"{now - state.serving_since:.1f} s ago (it restarted or took over): live members that hold "
-                    f"the job's steps may not have reconnected yet, and a quorum without them would train those "
-                    f"steps again. Waiting {young:.1f} s more (heartbeat_timeout, "
-                    f"{config.heartbeat_timeout_ms} ms, after its start).")
+        return wait(f"New quorum not ready: {', '.join(restarted)} restarted and no participant reports a last "
+                    f"quorum, while this lighthouse began to serve the job {now - state.serving_since:.1f} s ago "
+                    f"(it restarted or took over): live members that hold the job's steps may not have reconnected "
+                    f"yet, and a quorum without them would train those steps again. Waiting {young:.1f} s more "
+                    f"(heartbeat_timeout, {config.heartbeat_timeout_ms} ms, after it began).")
 
     prev = state.prev_quorum
     prev_ids = set(prev.replica_ids) if prev is not None else set()
