@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from datetime import timedelta
 
 import pytest
@@ -22,6 +23,7 @@ from ft_core.control.lighthouse_client import LighthouseClient
 from ft_core.control.manager_server import ManagerClient, ManagerServer
 from ft_core.control.types import QuorumMember
 from ft_core.errors import JobFinishedError, QuorumError
+from ft_core.tools.launcher import free_port
 from ft_core.tools.status import finished_line
 
 WORKER = os.path.join(REPO_ROOT, "tests", "_job_end_worker.py")
@@ -79,6 +81,26 @@ def test_the_finished_notice_reaches_every_lighthouse_address_a_standby_too():
                 [("replica_group_1:1", 7)]
 
 
+@pytest.mark.timeout(60)
+def test_the_finished_notice_is_tried_again_when_the_lighthouse_does_not_take_it_at_once():
+    """On a loaded machine the notice's first connection could take longer than one try, and the notice was lost
+    (busy suite runs, 2026-12-07): here the lighthouse comes up only after the first try's deadline."""
+    port = free_port()
+    started: list[LighthouseServer] = []
+    late = threading.Timer(0.8, lambda: started.append(LighthouseServer(bind=f"127.0.0.1:{port}", http_bind=None)))
+    late.start()
+    try:
+        with LighthouseClient(f"127.0.0.1:{port}") as client:  # the first try ends before the lighthouse is up
+            assert client.finished("replica_group_1:1", 7, 2, timeout=0.5, attempts=8) == [f"127.0.0.1:{port}"]
+        late.join()
+        assert [(f["replica_id"], f["step"]) for f in started[0].core.status()["finished"]] == \
+            [("replica_group_1:1", 7)]
+    finally:
+        late.join()
+        for lighthouse in started:
+            lighthouse.shutdown()
+
+
 def _spawn(processes, lighthouse: LighthouseServer, group: int, *args: str) -> subprocess.Popen:
     return processes.spawn([sys.executable, WORKER, "--group", str(group), *args],
                            env=child_env(FT_LIGHTHOUSE=lighthouse.address()),
@@ -95,7 +117,8 @@ def test_a_group_restarted_after_the_other_finished_exits_with_the_reason_instea
         assert g1.returncode == 0 and "done at step 8" in out1, out1[-3000:]
         final = 8
         shown = finished_line(lighthouse.core.status())  # what `ftl status` prints under its table
-        assert shown.startswith("finished: replica_group_1:") and f" at step {final} " in shown, shown
+        assert shown is not None and shown.startswith("finished: replica_group_1:") and f" at step {final} " in shown, \
+            (shown, out1[-3000:])
         restarted = _spawn(processes, lighthouse, 0, "--steps", "8")
         out0 = restarted.communicate(timeout=50)[0]  # its quorum timeout is 60 s: only the refusal ends it sooner
         assert restarted.returncode == 1, out0[-3000:]
@@ -137,10 +160,10 @@ def _lightning_job(processes, tmp_path, *args: str) -> tuple[subprocess.Popen, d
                                     str(tmp_path / f"result{group}.pt"), *args], env=env,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         finished = [fit(0), fit(1)]
-        for proc in finished:
-            out = proc.communicate(timeout=80)[0]
+        outs = [proc.communicate(timeout=80)[0] for proc in finished]
+        for proc, out in zip(finished, outs):
             assert proc.returncode == 0 and "done global_step=8 manager_step=8 trained=8" in out, out[-3000:]
-        assert sorted(f["step"] for f in lighthouse.core.status()["finished"]) == [8, 8]
+        assert sorted(f["step"] for f in lighthouse.core.status()["finished"]) == [8, 8], [o[-2000:] for o in outs]
         late = fit(2)
         out = late.communicate(timeout=60)[0]
     results = [torch.load(tmp_path / f"result{g}.pt", weights_only=True) for g in (0, 1)]

@@ -321,23 +321,37 @@ class LighthouseClient:
                                ft_pb2.LighthouseHeartbeatRequest(replica_id=replica_id, want_status=True), timeout)
         return response.quorum_status
 
-    def finished(self, replica_id: str, step: int, quorum_id: int, timeout: timedelta | float = 2.0) -> list[str]:
+    def finished(self, replica_id: str, step: int, quorum_id: int, timeout: timedelta | float = 2.0,
+                 attempts: int = 2) -> list[str]:
         """Tell every lighthouse address (a standby too) that `replica_id` ended its training at `step`, its
-        last quorum being `quorum_id`; returns the addresses that took the notice (failures are logged)."""
+        last quorum being `quorum_id`; returns the addresses that took the notice (failures are logged).
+
+        Each address gets `attempts` tries, each connection and call bounded by `timeout`: this is often the
+        first unary call of the client (the heartbeat stream rides its own connection), and on a loaded
+        machine its connection took longer than the 1 s a stream's attempt gets, so the notice was lost and a
+        late group was not refused (busy suite runs, 2026-12-07). A dead address costs at most
+        `attempts * timeout` and the pauses between tries (0.2 s, growing to 1 s)."""
         request = ft_pb2.LighthouseHeartbeatRequest(replica_id=replica_id, finished=True, finished_step=step,
                                                     finished_quorum_id=quorum_id)
         told = []
         for addr in self._addrs:
-            try:
-                if not self._connected(addr, min(CONNECT_ATTEMPT_S, seconds(timeout))):
-                    raise RPCError(f"could not connect to lighthouse {addr}", peer=addr, code="UNAVAILABLE")
-                with self._using(addr) as stub:
-                    call(stub.Heartbeat, request, peer=addr, name="LighthouseService.Heartbeat", timeout=timeout,
-                         token=self._token)
-                told.append(addr)
-            except FTError as exc:  # best effort: a lighthouse that missed it cannot refuse a late group
-                logger.warning("replica %s: lighthouse %s did not take the 'finished at step %d' notice: %s",
-                               replica_id, addr, step, exc)
+            delays = backoff_delays(initial=0.2, cap=1.0, jitter=0.05)
+            for attempt in range(1, attempts + 1):
+                if attempt > 1:
+                    time.sleep(next(delays))  # a refused connection fails at once: give the lighthouse a moment
+                try:
+                    if not self._connected(addr, seconds(timeout)):
+                        raise RPCError(f"could not connect to lighthouse {addr} within {seconds(timeout):g}s",
+                                       peer=addr, code="UNAVAILABLE")
+                    with self._using(addr) as stub:
+                        call(stub.Heartbeat, request, peer=addr, name="LighthouseService.Heartbeat", timeout=timeout,
+                             token=self._token)
+                    told.append(addr)
+                    break
+                except FTError as exc:  # best effort: a lighthouse that missed it cannot refuse a late group
+                    if attempt == attempts:
+                        logger.warning("replica %s: lighthouse %s did not take the 'finished at step %d' notice "
+                                       "(%d attempts): %s", replica_id, addr, step, attempts, exc)
         return told
 
     def start_heartbeat_stream(self, replica_id: str,
