@@ -163,6 +163,11 @@ def divergent_commits(incarnations: list[Incarnation]) -> int:
     return bad
 
 
+def reduced_as_expected(got: float, expected: float) -> bool:
+    """A checked reduction's value matches its expectation (float64 sums of small integers: 1e-9 relative)."""
+    return abs(got - expected) <= 1e-9 * max(1.0, abs(expected))
+
+
 def check_reductions(incarnations: list[Incarnation]) -> list[str]:
     """Every checked reduction of a committed step ({name: [got, expected]}) got its expected value."""
     problems: dict[tuple[str, str], list[tuple[int, float, float]]] = {}
@@ -170,7 +175,7 @@ def check_reductions(incarnations: list[Incarnation]) -> list[str]:
         for rec in inc.steps:
             for name, pair in (rec.get("reduce") or {}).items():
                 got, expected = float(pair[0]), float(pair[1])
-                if abs(got - expected) > 1e-9 * max(1.0, abs(expected)):
+                if not reduced_as_expected(got, expected):
                     problems.setdefault((inc.name, name), []).append((int(rec["step"]), got, expected))
     return [f"wrong reduction: {who} committed {len(bad)} step(s) {format_steps([b[0] for b in bad])} with a "
             f"wrong {name.upper()} (first: step {bad[0][0]} got {bad[0][1]:g}, expected {bad[0][2]:g})"

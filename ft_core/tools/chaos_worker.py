@@ -68,6 +68,7 @@ from ft_core.ddp import DistributedDataParallel
 from ft_core.errors import FTError
 from ft_core.manager import Manager, WorldSizeMode
 from ft_core.process_groups import ProcessGroupGloo
+from ft_core.tools.chaos_checks import reduced_as_expected
 
 EXIT_FILE = "exit"
 
@@ -283,7 +284,8 @@ def expected_reductions(got: dict[str, float], seed: int, n: int, redo: dict[str
     Which old ranks survived this group cannot see: the first such split that explains every value is the
     expectation; if none does, the plain one (every reduction replayed by the first such set)."""
     if redo is None or issued is None or issued[1] is None:
-        return {name: [value, _expected(seed, n, range(n))[name]] for name, value in got.items()}
+        plain = _expected(seed, n, range(n))
+        return {name: [value, plain[name]] for name, value in got.items()}
     old, mine = issued
     names = list(got)
     whole = _expected(seed, old, range(old))
@@ -291,7 +293,7 @@ def expected_reductions(got: dict[str, float], seed: int, n: int, redo: dict[str
     splits = [(k, e) for k in (range(len(names) + 1) if redo.get("kept") else [0]) for e in sets or [whole]]
     for k, survivors in splits + splits[:1]:  # the fallback: the first split, reported as it is
         expected = {name: (whole if i < k else survivors)[name] for i, name in enumerate(names)}
-        if all(abs(expected[name] - got[name]) <= 1e-9 * max(1.0, abs(got[name])) for name in names):
+        if all(reduced_as_expected(got[name], expected[name]) for name in names):
             break
     return {name: [got[name], expected[name]] for name in names}
 
