@@ -35,7 +35,7 @@ from ft_core.process_groups.base import (
     op_result,
 )
 from ft_core.process_groups.cancel import CancellableStore, ConfigureAttempt, run_attempt
-from ft_core.process_groups.gloo_abort import shutdown_sockets, socket_inodes
+from ft_core.process_groups.gloo_abort import rendezvous_connections, shutdown_sockets, socket_inodes
 from ft_core.process_groups.child import (
     Waiter,
     as_c10d_group,
@@ -282,8 +282,9 @@ class ProcessGroupGloo(ProcessGroupWrapper):
     """Gloo (CPU tensors; CUDA tensors too, staged by Gloo). ReduceOp.AVG is not supported by Gloo.
 
     Gloo's own abort() neither wakes a pending op nor tells the peers (torch 2.13: both wait for the
-    full timeout), so abort also shuts down the sockets the backend opened at configure: the local
-    op and every peer's op on those connections fail at once, and the survivors rebuild sooner.
+    full timeout), so abort also shuts down the connections the backend opened at configure: the local
+    op and every peer's op on those connections fail at once, and the survivors rebuild sooner
+    (gloo_abort: the sockets that appeared meanwhile, with an end at an address the rendezvous exchanged).
     """
 
     BACKEND = "gloo"
@@ -314,7 +315,8 @@ class ProcessGroupGloo(ProcessGroupWrapper):
             with _BUILDS_LOCK:
                 _BUILDS["running"] -= 1
                 overlapped = overlapped or _BUILDS["started"] != mine
-        owned = {fd: t for fd, t in after.items() if before.get(fd) != t}
+        appeared = {fd: t for fd, t in after.items() if before.get(fd) != t}
+        owned = rendezvous_connections(appeared, getattr(store, "exchanged", []))
         with self._lock:
             self._built[id(backend)] = (owned, overlapped)
         return backend
