@@ -50,6 +50,7 @@ What can be redone (the copy policy):
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import threading
 import time
@@ -180,7 +181,7 @@ def _redo_at_wait(m: "Manager") -> None:
         _fail(m, f"{type(exc).__name__}: {exc}")
 
 
-SLOW_WAIT_S = 5.0  # a redo's wait on a collective longer than this is logged: an abort should end it at once
+SLOW_WAIT_S = 2.0  # a redo's wait on a collective longer than this is logged: an abort should end it at once
 
 
 def _wait_noting(m: "Manager", fut: torch.futures.Future, what: str) -> None:
@@ -403,7 +404,35 @@ def on_peer_lost(m: "Manager", quorum_id: int, replica_id: str) -> None:
     else:
         m.report_error(FTError(f"{m._prefix()} replica group {replica_id} of quorum {quorum_id} was lost "
                                f"(the lighthouse dropped it); this step's collectives are aborted"), peer_lost=True)
+    _watch_abort(m, [f for f in log.sent if not f.done()])
     m._break_pg()
+
+
+def _watch_abort(m: "Manager", pending: list[torch.futures.Future]) -> None:
+    """Diagnostics, armed before the abort: it ends the step's collectives at once; one still pending SLOW_WAIT_S
+    later waits for its timeout (and a Gloo abort that found nothing to shut down blocks until then). Say so,
+    with what the abort did and every thread's stack, so such a stall says where it is."""
+    if not pending:
+        return
+
+    def check() -> None:
+        still = sum(not f.done() for f in pending)
+        if not still:
+            return
+        inner = m._pg
+        while not hasattr(inner, "last_abort") and hasattr(inner, "inner"):
+            inner = inner.inner
+        logger.warning("%s %d collective(s) of this step still pending %.0f s after the abort (it %s); they end at "
+                       "the collective timeout. Every thread's stack follows.", m._prefix(), still, SLOW_WAIT_S,
+                       getattr(inner, "last_abort", "aborted a group that is not Gloo"))
+        try:
+            faulthandler.dump_traceback(all_threads=True)
+        except (AttributeError, ValueError, OSError):  # stderr without a file descriptor (captured)
+            pass
+
+    timer = threading.Timer(SLOW_WAIT_S, check)
+    timer.daemon = True
+    timer.start()
 
 
 def _complete_without(m: "Manager") -> bool:

@@ -96,3 +96,41 @@ def test_connections_are_told_by_an_address_the_rendezvous_exchanged_over_ipv4_a
     finally:
         for sock in (published, other, out, inbound, stray, stray_in):
             sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_collective_still_pending_after_the_abort_is_reported_with_what_the_abort_did(caplog, monkeypatch, capfd):
+    """The stall seen once under load (a survivor's allreduce ran to its timeout after the notice aborted it)
+    now says where it is: 1 s (SLOW_WAIT_S, 2 s by default) after the abort, a collective still pending is
+    logged with what the abort shut down, and every thread's stack goes to stderr. Made here by a group whose
+    abort has no connection to shut down (its peer never issues the op)."""
+    import logging
+    from types import SimpleNamespace
+
+    from ft_core import redo
+
+    monkeypatch.setattr(redo, "SLOW_WAIT_S", 1.0)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+    groups = [ProcessGroupGloo(timeout=timedelta(seconds=4)) for _ in range(2)]
+    threads = [threading.Thread(target=groups[r].configure, args=(f"127.0.0.1:{store.port}/q1", f"g{r}", r, 2),
+                                kwargs={"quorum_id": 1}) for r in range(2)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        pending = groups[0].allreduce([torch.ones(4)]).get_future()  # rank 1 never issues it
+        groups[0]._owned_sockets = {}  # the stall's state: the abort finds nothing of its group to shut down
+        caplog.set_level(logging.WARNING, logger="ft_core.redo")
+        redo._watch_abort(SimpleNamespace(_pg=groups[0], _prefix=lambda: "[g0]"), [pending])  # as on_peer_lost
+        started = time.monotonic()
+        groups[0].abort()  # Gloo's own abort then returns only when the op times out (4 s)
+        assert time.monotonic() - started > 2.0
+        with pytest.raises(Exception):
+            pending.wait()
+        warned = [r.getMessage() for r in caplog.records if "still pending" in r.getMessage()]
+        assert warned and "shut down 0 of the 0 socket(s) its group opened" in warned[0], warned
+        assert "Thread 0x" in capfd.readouterr().err  # faulthandler's dump of every thread
+    finally:
+        for g in groups:
+            g.shutdown()

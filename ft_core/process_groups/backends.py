@@ -293,6 +293,7 @@ class ProcessGroupGloo(ProcessGroupWrapper):
     def __init__(self, timeout: timedelta | float | None = None) -> None:
         super().__init__(timeout)
         self._owned_sockets: dict[int, str] = {}
+        self.last_abort = "none yet"  # what the last abort did (redo's stall diagnostics name it)
         # id(backend) -> (its sockets, whether another construction overlapped it), until claimed or discarded
         self._built: dict[int, tuple[dict[int, str], bool]] = {}
 
@@ -336,9 +337,10 @@ class ProcessGroupGloo(ProcessGroupWrapper):
 
     def _drop_backend(self, reason: str) -> None:
         owned, self._owned_sockets = self._owned_sockets, {}
-        if owned and reason == "abort":
-            closed = shutdown_sockets(owned)
-            logger.info("gloo abort shut down %d connection(s)", closed, extra={"backend": self.BACKEND})
+        if reason == "abort":
+            closed = shutdown_sockets(owned) if owned else 0
+            self.last_abort = f"shut down {closed} of the {len(owned)} socket(s) its group opened"
+            logger.info("gloo abort %s", self.last_abort, extra={"backend": self.BACKEND})
         super()._drop_backend(reason)
 
 
