@@ -218,6 +218,10 @@ def targets_rows(results: dict) -> list[list[str]]:
                          _fmt(row["http_fresh_gbps"], " GB/s") + mark,
                          _fmt(row.get("torchft_http_gbps"), " GB/s"), f"raw TCP {_fmt(row['raw_tcp_gbps'], ' GB/s')}",
                          _ratio(row["http_fresh_gbps"], row.get("torchft_http_gbps")), REFERENCE["heal"]])
+            if "http_first_gbps" in row:
+                rows.append([f"same, the first fetch in a new process (a restarted replica's heal), {label}", "-",
+                             _fmt(row["http_first_gbps"], " GB/s"), _fmt(row.get("torchft_first_gbps"), " GB/s"), "",
+                             _ratio(row["http_first_gbps"], row.get("torchft_first_gbps")), ""])
     return rows
 
 
@@ -348,19 +352,29 @@ def _failure(res: dict) -> list[str]:
 
 def _transfer(res: dict) -> list[str]:
     torchft = "torchft_http" in res.get("kinds", [])
+    first = "http_first" in res.get("kinds", [])
     lines = [f"Checkpoint transfer on loopback, source in its own process; best of {res['reps']} (GB/s, median "
-             "in brackets). Fresh: the receiver allocates new tensors, as a restarted replica does; in place: into "
-             "existing tensors.", ""]
+             "in brackets). Fresh: the receiver allocates new tensors, several fetches in one process; in place: "
+             "into existing tensors; first: one fetch in a new process each time, as a restarted replica heals "
+             "(all its memory is new to it; a later fetch in one process can reuse pages the previous one freed, "
+             "which flatters the fresh column of a transport allocating per tensor).", ""]
+    kinds = ["raw_tcp", "http_fresh", "http_inplace", "pg"] + (["http_first"] if first else [])
+    kinds += (["torchft_http"] + (["torchft_first"] if first else [])) if torchft else []
     rows = []
     for label, row in res["sizes"].items():
         cells = [label]
-        for kind in ["raw_tcp", "http_fresh", "http_inplace", "pg"] + (["torchft_http"] if torchft else []):
+        for kind in kinds:
             cells.append(f"{_fmt(row[kind + '_gbps'])} ({_fmt(row[kind + '_median_gbps'])})")
         if torchft:
             cells.append(_ratio(row["http_fresh_gbps"], row["torchft_http_gbps"]))
+            if first:
+                cells.append(_ratio(row["http_first_gbps"], row["torchft_first_gbps"]))
         rows.append(cells)
     header = ["size", "raw TCP (ceiling)", "ours HTTP fresh", "ours HTTP in place", "ours PG (Gloo)"]
-    header += ["torchft HTTPTransport", "ours fresh / torchft"] if torchft else []
+    header += ["ours, first fetch"] if first else []
+    header += ["torchft HTTPTransport"] + (["torchft, first fetch"] if first else []) + ["ours fresh / torchft"] \
+        if torchft else []
+    header += ["ours first / torchft first"] if torchft and first else []
     return lines + _table(header, rows)
 
 
@@ -483,7 +497,8 @@ def plots(results: dict, out_dir: str) -> list[str]:
         sizes = sorted(transfer["sizes"].items(), key=lambda kv: kv[1]["bytes"])
         xs = [row["bytes"] / 1e6 for _, row in sizes]
         names = {"raw_tcp": "raw TCP (ceiling)", "http_fresh": "ours HTTP, fresh", "http_inplace": "ours HTTP, in place",
-                 "pg": "ours PG (Gloo)", "torchft_http": "torchft HTTPTransport"}
+                 "pg": "ours PG (Gloo)", "torchft_http": "torchft HTTPTransport", "http_first": "ours, first fetch",
+                 "torchft_first": "torchft, first fetch"}
         for kind in transfer.get("kinds", ["raw_tcp", "http_fresh", "http_inplace", "pg"]):
             ax.plot(xs, [row[kind + "_gbps"] for _, row in sizes], "-o", label=names.get(kind, kind))
         ax.axhline(HEAL_GBPS, color="red", linewidth=0.8, linestyle=":", label=f"target {HEAL_GBPS:g} GB/s (1 GB)")

@@ -6,7 +6,9 @@ The source runs in its own process (as a live replica would), the receiver in th
 - raw TCP: the same bytes over 2 plain sockets into a preallocated buffer (the ceiling on this machine);
 - HTTP fresh: `recv_checkpoint` allocating new tensors (what a freshly restarted replica does);
 - HTTP in place: receiving straight into existing tensors (`HTTPTransport(state_dict=...)`);
-- PG: PGTransport over a 2-process Gloo group (fresh tensors).
+- PG: PGTransport over a 2-process Gloo group (fresh tensors);
+- first fetch: one fetch in a new receiver process, ours and torchft's (a restarted replica's heal, whose
+  memory is all new to it; later fetches in one process may reuse pages the previous one freed).
 Target (reported, not asserted): >= 3 GB/s for 1 GB over HTTP. torchft's HTTPTransport measured 0.2-0.6 GB/s
 on this kind of machine. Fresh allocations pay first-touch page faults, which are expensive in small VMs.
 """
@@ -229,6 +231,71 @@ def bench_torchft_http(nbytes: int, reps: int) -> list[float]:
     return times
 
 
+# ---------------------------------------------------------------- a restarted replica's first fetch
+
+
+def _first_fetch_main(kind: str, address: Any, step: int, conn: Any) -> None:
+    """In a new process: one fetch into fresh tensors (ours), or one recv_checkpoint (torchft's), timed."""
+    _single_thread()
+    if kind == "ours":
+        from ft_core.checkpointing.http_transport import fetch
+
+        start = time.perf_counter()
+        fetch(address, step, TIMEOUT.total_seconds())
+        conn.send(time.perf_counter() - start)
+        return
+    receiver = _torchft_transport(TIMEOUT)
+    try:
+        start = time.perf_counter()
+        receiver.recv_checkpoint(src_rank=0, metadata=address, step=step, timeout=TIMEOUT)
+        conn.send(time.perf_counter() - start)
+    finally:
+        receiver.shutdown()
+
+
+def bench_first_fetch(kind: str, nbytes: int, reps: int) -> list[float]:
+    """Seconds of a fetch that is the first in its process (a restarted replica's heal): its memory is new to
+    it, so every page is touched for the first time. A later fetch in one process can reuse pages the previous
+    one freed (glibc keeps freed blocks of up to 32 MB in its heap), which flatters the "fresh" column's
+    best-of-N for a transport that allocates per tensor (torchft's)."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    source = ctx.Process(target=_source_main if kind == "ours" else _torchft_source_main, args=(child, nbytes),
+                         name=f"bench-first-source-{kind}", daemon=True)
+    source.start()
+    times: list[float] = []
+    try:
+        if not parent.poll(120):
+            raise TimeoutError(f"{kind} source did not start")
+        sent = parent.recv()
+        address = sent[0] if kind == "ours" else sent
+        for rep in range(reps):
+            parent.send(("stage", 1000 + rep))
+            if not parent.poll(TIMEOUT.total_seconds()):
+                raise TimeoutError(f"{kind} source did not stage its checkpoint")
+            parent.recv()
+            mine, theirs = ctx.Pipe()
+            receiver = ctx.Process(target=_first_fetch_main, args=(kind, address, 1000 + rep, theirs),
+                                   name=f"bench-first-{kind}", daemon=True)
+            receiver.start()
+            try:
+                if not mine.poll(TIMEOUT.total_seconds()):
+                    raise TimeoutError(f"{kind}'s first fetch produced no result")
+                times.append(mine.recv())
+            finally:
+                receiver.join(30)
+                if receiver.is_alive():
+                    receiver.kill()
+                    receiver.join(10)
+        parent.send(("stop",))
+        source.join(30)
+    finally:
+        if source.is_alive():
+            source.kill()
+            source.join(10)
+    return times
+
+
 # ---------------------------------------------------------------- PG transport over two processes
 
 
@@ -300,8 +367,10 @@ def run(quick: bool = False, sizes: list[int] | None = None, reps: int | None = 
         total = http["bytes"]
         times = {"raw_tcp": http["raw_times"], "http_fresh": http["fresh_times"],
                  "http_inplace": http["inplace_times"], "pg": bench_pg(nbytes, reps)}
+        times["http_first"] = bench_first_fetch("ours", nbytes, reps)
         if torchft:
             times["torchft_http"] = bench_torchft_http(nbytes, reps)
+            times["torchft_first"] = bench_first_fetch("torchft", nbytes, reps)
         row: dict[str, Any] = {"bytes": total}
         for key, values in times.items():  # the machine is shared: best shows capability, median typical
             row[f"{key}_s"] = min(values)
@@ -312,10 +381,12 @@ def run(quick: bool = False, sizes: list[int] | None = None, reps: int | None = 
         row["http_fresh_vs_raw"] = row["http_fresh_gbps"] / row["raw_tcp_gbps"]
         if torchft:
             row["http_fresh_vs_torchft"] = row["http_fresh_gbps"] / row["torchft_http_gbps"]
+            row["http_first_vs_torchft"] = row["http_first_gbps"] / row["torchft_first_gbps"]
         results[label] = row
     return {"sizes": results, "target_gbps": targets.HEAL_GBPS, "reference": REFERENCE, "reps": reps,
             "cpus": os.cpu_count(), "torchft_installed": _harness.torchft_available(),
-            "kinds": ["raw_tcp", "http_fresh", "http_inplace", "pg"] + (["torchft_http"] if torchft else [])}
+            "kinds": ["raw_tcp", "http_fresh", "http_inplace", "pg", "http_first"]
+            + (["torchft_http", "torchft_first"] if torchft else [])}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -341,6 +412,12 @@ def main(argv: list[str] | None = None) -> int:
         if "torchft_http_s" in row:
             print(f"{'':>6}   torchft HTTPTransport: {row['torchft_http_s']:.3f}s {row['torchft_http_gbps']:.2f} "
                   f"({row['torchft_http_median_gbps']:.2f}) GB/s; ours (fresh) / torchft {row['http_fresh_vs_torchft']:.2f}x")
+        first = f"{'':>6}   first fetch in a new process (a restarted replica's heal): ours {row['http_first_s']:.3f}s " \
+                f"{row['http_first_gbps']:.2f} ({row['http_first_median_gbps']:.2f}) GB/s"
+        if "torchft_first_s" in row:
+            first += f", torchft {row['torchft_first_s']:.3f}s {row['torchft_first_gbps']:.2f} " \
+                     f"({row['torchft_first_median_gbps']:.2f}) GB/s; ours / torchft {row['http_first_vs_torchft']:.2f}x"
+        print(first)
     return 0
 
 
