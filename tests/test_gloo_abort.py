@@ -123,9 +123,7 @@ def test_a_collective_still_pending_after_the_abort_is_reported_with_what_the_ab
         groups[0]._owned_sockets = {}  # the stall's state: the abort finds nothing of its group to shut down
         caplog.set_level(logging.WARNING, logger="ft_core.redo")
         redo._watch_abort(SimpleNamespace(_pg=groups[0], _prefix=lambda: "[g0]"), [pending])  # as on_peer_lost
-        started = time.monotonic()
         groups[0].abort()  # Gloo's own abort then returns only when the op times out (4 s)
-        assert time.monotonic() - started > 2.0
         with pytest.raises(Exception):
             pending.wait()
         warned = [r.getMessage() for r in caplog.records if "still pending" in r.getMessage()]

@@ -52,11 +52,15 @@ def test_sigkill_at_every_point_of_a_step_then_restart_heals_identical(processes
         assert "during serve_checkpoint" in g0.output()
         g0.start()
         wait_until(lambda: len(g0.commits()) >= 3 and len(g1.commits()) >= 3, 60, "g0 and g1 healed", groups)
-        # allreduce and should_commit in one step: g2 dies having issued its allreduce, so g0's vote is
-        # False and it dies right after voting; g1 carries on alone, then both come back and heal.
-        g0.arm_kill("should_commit")
+        # allreduce, then should_commit: g2 dies having issued its allreduce, then g0 dies in its vote; g1
+        # carries on alone, then both come back and heal. g0 is armed only once g2 is dead: armed together,
+        # g0 could die voting on a step that g2, not yet at its kill point, then committed alone, and g2 die
+        # at its next allreduce; that step, held by no live group, is trained again on another history (gap
+        # 2, docs/chaos.md; full suite beside nothing else, 2026-12-07: "step 21 differs").
         g2.arm_kill("allreduce")
-        assert g2.wait_exit(30) == -9 and g0.wait_exit(30) == -9
+        assert g2.wait_exit(30) == -9
+        g0.arm_kill("should_commit")
+        assert g0.wait_exit(30) == -9
         assert "during allreduce" in g2.output() and "during should_commit" in g0.output()
         g0.start()
         g2.start()
