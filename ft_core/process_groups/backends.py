@@ -340,7 +340,8 @@ class ProcessGroupGloo(ProcessGroupWrapper):
         if reason == "abort":
             closed = shutdown_sockets(owned) if owned else 0
             self.last_abort = f"shut down {closed} of the {len(owned)} socket(s) its group opened"
-            logger.info("gloo abort %s", self.last_abort, extra={"backend": self.BACKEND})
+            if owned:
+                logger.info("gloo abort %s", self.last_abort, extra={"backend": self.BACKEND})
         super()._drop_backend(reason)
 
 
