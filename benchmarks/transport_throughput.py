@@ -50,6 +50,14 @@ def make_state(nbytes: int) -> dict[str, Any]:
             "step": 1, "lr": 0.1}
 
 
+def _end(proc: Any, wait_s: float = 0.0) -> None:
+    """Wait up to `wait_s` for a benchmark process to exit (none: it failed, end it now), then kill it if alive."""
+    proc.join(wait_s)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(10)
+
+
 def _single_thread() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
@@ -162,9 +170,7 @@ def bench_http(nbytes: int, reps: int) -> dict[str, float]:
         parent.send(("stop",))
         proc.join(30)
     finally:
-        if proc.is_alive():
-            proc.kill()
-            proc.join(10)
+        _end(proc)
     return {"bytes": total, **{f"{k}_times": v for k, v in out.items()}}
 
 
@@ -225,9 +231,7 @@ def bench_torchft_http(nbytes: int, reps: int) -> list[float]:
     finally:
         if receiver is not None:
             receiver.shutdown()
-        if proc.is_alive():
-            proc.kill()
-            proc.join(10)
+        _end(proc)
     return times
 
 
@@ -283,16 +287,11 @@ def bench_first_fetch(kind: str, nbytes: int, reps: int) -> list[float]:
                     raise TimeoutError(f"{kind}'s first fetch produced no result")
                 times.append(mine.recv())
             finally:
-                receiver.join(30)
-                if receiver.is_alive():
-                    receiver.kill()
-                    receiver.join(10)
+                _end(receiver, 30)
         parent.send(("stop",))
         source.join(30)
     finally:
-        if source.is_alive():
-            source.kill()
-            source.join(10)
+        _end(source)
     return times
 
 
@@ -343,10 +342,7 @@ def bench_pg(nbytes: int, reps: int) -> list[float]:
         return parent.recv()
     finally:
         for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(10)
+            _end(proc, 30)
 
 
 # ---------------------------------------------------------------- driver
