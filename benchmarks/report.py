@@ -370,11 +370,12 @@ def _transfer(res: dict) -> list[str]:
             if first:
                 cells.append(_ratio(row["http_first_gbps"], row["torchft_first_gbps"]))
         rows.append(cells)
-    header = ["size", "raw TCP (ceiling)", "ours HTTP fresh", "ours HTTP in place", "ours PG (Gloo)"]
-    header += ["ours, first fetch"] if first else []
-    header += ["torchft HTTPTransport"] + (["torchft, first fetch"] if first else []) + ["ours fresh / torchft"] \
-        if torchft else []
-    header += ["ours first / torchft first"] if torchft and first else []
+    names = {"raw_tcp": "raw TCP (ceiling)", "http_fresh": "ours HTTP fresh", "http_inplace": "ours HTTP in place",
+             "pg": "ours PG (Gloo)", "http_first": "ours, first fetch", "torchft_http": "torchft HTTPTransport",
+             "torchft_first": "torchft, first fetch"}
+    header = ["size"] + [names[kind] for kind in kinds]
+    if torchft:
+        header += ["ours fresh / torchft"] + (["ours first / torchft first"] if first else [])
     return lines + _table(header, rows)
 
 

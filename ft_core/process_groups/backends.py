@@ -317,7 +317,7 @@ class ProcessGroupGloo(ProcessGroupWrapper):
                 _BUILDS["running"] -= 1
                 overlapped = overlapped or _BUILDS["started"] != mine
         appeared = {fd: t for fd, t in after.items() if before.get(fd) != t}
-        owned = rendezvous_connections(appeared, getattr(store, "exchanged", []))
+        owned = rendezvous_connections(appeared, store.take_exchanged() if isinstance(store, CancellableStore) else [])
         with self._lock:
             self._built[id(backend)] = (owned, overlapped)
         return backend

@@ -116,25 +116,32 @@ def run_attempt(attempt: ConfigureAttempt, thread_name: str, build: Callable[[],
 class CancellableStore(dist.Store):
     """A store for a backend's rendezvous whose waits end when the attempt is cancelled (the backend's
     constructor then fails at once and its thread ends). Waits poll `check`: a blocking wait on the inner
-    store could not be woken, and TCPStore logs every timed-out slice of a sliced one. It keeps the values
-    set and got (`exchanged`: the addresses the rendezvous published, which tell the backend's sockets)."""
+    store could not be woken, and TCPStore logs every timed-out slice of a sliced one. Until `take_exchanged`,
+    it keeps the values set and got (the addresses the rendezvous published, which tell the backend's sockets)."""
 
     def __init__(self, inner: dist.Store, attempt: ConfigureAttempt, timeout: timedelta) -> None:
         super().__init__()
         self._inner = inner
         self._attempt = attempt
         self._timeout = timeout
-        self.exchanged: list[bytes] = []
+        self._exchanged: list[bytes] | None = []
+
+    def take_exchanged(self) -> list[bytes]:
+        """The values the rendezvous set and got so far; recording stops (the backend may keep the store)."""
+        values, self._exchanged = self._exchanged or [], None
+        return values
 
     def set(self, key: str, value: Any) -> None:
         self._attempt.check()
         self._inner.set(key, value)
-        self.exchanged.append(value.encode() if isinstance(value, str) else bytes(value))
+        if self._exchanged is not None:
+            self._exchanged.append(value.encode() if isinstance(value, str) else bytes(value))
 
     def get(self, key: str) -> bytes:
         self.wait([key])
         value = self._inner.get(key)
-        self.exchanged.append(bytes(value))
+        if self._exchanged is not None:
+            self._exchanged.append(bytes(value))
         return value
 
     def add(self, key: str, value: int) -> int:
