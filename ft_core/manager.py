@@ -210,6 +210,8 @@ class Manager:
             previous = self._finished_quorum(self._quorum_future)
             if previous is not None:  # normally already raised by should_commit(); a new step starts clean
                 logger.info("%s previous quorum had failed: %s", self._prefix(), previous)
+            if not self._voted and self._reductions:  # the loop skipped that step's vote after reducing
+                redo.abandoned(self)
         self._clear_errors()
         self._healing = False
         self._heal = None  # a heal not applied by the last step is fetched again
@@ -217,9 +219,8 @@ class Manager:
         self._voted = False
         self._reductions = 0
         self._redo.reset(allow_heal)
-        quorum_timeout = ft_futures._seconds(timeout) if timeout is not None else \
+        self._quorum_timeout_s = quorum_timeout = ft_futures._seconds(timeout) if timeout is not None else \
             self.config.quorum_timeout.total_seconds()
-        self._quorum_timeout_s = quorum_timeout
         self._quorum_future = self._executor.submit(self._async_quorum, allow_heal, shrink_only, quorum_timeout)
         if not self.config.use_async_quorum:
             self.wait_quorum()
@@ -557,9 +558,8 @@ class Manager:
             self._server.notify_finished(self._state.step)
 
     def shutdown(self, wait: bool = True) -> None:
-        """Stop everything this Manager started: manager server (or client), heal-source clients,
-        checkpoint transport, quorum thread and (when idle) the futures timer. Idempotent; with
-        wait=True the threads are joined, each within a bound. The process group is the caller's."""
+        """Stop what this Manager started (the process group is the caller's): server or client, heal-source clients,
+        checkpoint transport, quorum thread, futures timer when idle. Idempotent; wait=True joins each in a bound."""
         if self._closed:
             return
         self._closed = True

@@ -67,8 +67,8 @@ from ft_core.redo_log import Reduction, ReductionLog, RedoConfig, WaitState, res
 if TYPE_CHECKING:
     from ft_core.manager import Manager
 
-__all__ = ["Reduction", "ReductionLog", "RedoConfig", "WaitState", "issue", "on_peer_lost", "pg_error", "redo_step",
-           "resolve", "restore_input", "sending", "settle", "skipped"]
+__all__ = ["Reduction", "ReductionLog", "RedoConfig", "WaitState", "abandoned", "issue", "on_peer_lost", "pg_error",
+           "redo_step", "resolve", "restore_input", "sending", "settle", "skipped"]
 
 logger = logging.getLogger(__name__)
 
@@ -405,6 +405,17 @@ def on_peer_lost(m: "Manager", quorum_id: int, replica_id: str) -> None:
         m.report_error(FTError(f"{m._prefix()} replica group {replica_id} of quorum {quorum_id} was lost "
                                f"(the lighthouse dropped it); this step's collectives are aborted"), peer_lost=True)
     _watch_abort(m, [f for f in log.sent if not f.done()])
+    m._break_pg()
+
+
+def abandoned(m: "Manager") -> None:
+    """The last step reduced, then ended without a vote (the loop skipped should_commit(): a skipped optimizer
+    step). Its peers may be waiting on a collective it will never issue (the buffers' sync before the vote), or
+    would pair one with its next step's. Tell the lighthouse first, so their redo goes on without this group (quorum
+    rule 11), then break the group, so their collectives fail now instead of at their timeout: they redo the step
+    without it, and it heals from them."""
+    if m._server is not None:  # group rank 0; every rank breaks its own group
+        m._server.gave_up()
     m._break_pg()
 
 

@@ -38,6 +38,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fail-fetches", type=int, default=0, help="the first N checkpoint fetches raise")
     p.add_argument("--fail-rank", type=int, default=-1, help="inject only on this group rank (-1: every rank)")
     p.add_argument("--skip-first-vote", action="store_true", help="skip should_commit() in the first step")
+    p.add_argument("--skip-vote-at", type=int, default=-1, help="module models: skip should_commit() after the "
+                                                                "backward of the first step from this one on, once")
+    p.add_argument("--skip-vote-with", type=int, default=0, help="... in a step with at least this many participants")
     p.add_argument("--extreme", default="", choices=("", "max", "min"), help="also reduce [-5 - 2*group]")
     p.add_argument("--vote-then-reduce", action="store_true", help="allreduce after should_commit (must raise)")
     p.add_argument("--model", default="vector", choices=("vector", "batchnorm", "unwrapped", "localsgd", "diloco"),
@@ -70,7 +73,7 @@ def train_module(args: argparse.Namespace, rank: int) -> int:
         semi_sync = DiLoCo(manager, [model], opt, torch.optim.SGD(model.parameters(), lr=0.7), sync_every=1)
     gen = torch.Generator().manual_seed(100 + args.group)  # each group sees other data
     out = open(args.out, "a")
-    error = ""
+    error, skipped = "", False
     try:
         with semi_sync:
             while manager.current_step() < args.steps:
@@ -83,11 +86,18 @@ def train_module(args: argparse.Namespace, rank: int) -> int:
                 opt.zero_grad()
                 x = torch.randn(8, 4, generator=gen) * (1 + args.group)
                 net(x).pow(2).mean().backward()
-                if manager.should_commit():
+                attempted = manager.current_step()
+                if 0 <= args.skip_vote_at <= attempted and manager.num_participants() >= args.skip_vote_with \
+                        and not skipped:  # a heal may jump past it, a group may start late
+                    skipped = True
+                    out.write(json.dumps({"group": args.group, "rank": rank, "skipped_vote": attempted}) + "\n")
+                    continue
+                committed = manager.should_commit()
+                if committed:
                     opt.step()
                 buffers = {k: v.tolist() for k, v in model.state_dict().items() if "running" in k or "num_batches" in k}
                 out.write(json.dumps({"group": args.group, "rank": rank, "step": manager.current_step(),
-                                      "buffers": buffers}) + "\n")
+                                      "attempted": attempted, "committed": committed, "buffers": buffers}) + "\n")
                 out.flush()
     except FTError as exc:  # the refusal (ConfigError), or a quorum that cannot form once the peer left
         error = f"{type(exc).__name__}: {exc}"

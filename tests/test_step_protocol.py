@@ -78,6 +78,25 @@ def test_a_healer_whose_heal_was_not_applied_heals_again_and_ends_identical(proc
 
 
 @pytest.mark.timeout(120)
+def test_a_group_that_skips_its_vote_after_reducing_costs_its_peers_neither_the_step_nor_a_wait(processes, tmp_path):
+    """Group 2 reduces its gradients, then skips should_commit() (a skipped optimizer step), so it never issues the
+    BatchNorm buffers' sync its peers issue before their vote. At its next step it tells the lighthouse it gave that
+    step up and breaks its process group (ft_core.redo.abandoned): the peers' sync fails at once, they redo the step
+    without group 2 and commit it, and group 2 heals from them. Before, the peers waited for their collective
+    timeout (20 s here) and lost the step."""
+    job = ["--model", "batchnorm", "--steps", "10", "--timeout", "20"]
+    rows = run_job(processes, tmp_path, [job, job, [*job, "--skip-vote-at", "3", "--skip-vote-with", "3"]],
+                   min_replicas=2, timeout=100)
+    skipped = [r["skipped_vote"] for r in rows if "skipped_vote" in r]
+    assert len(skipped) == 1, skipped
+    peers = [r for r in rows if r["group"] != 2 and "committed" in r]
+    assert [r["attempted"] for r in peers if not r["committed"]] == [], "a peer lost a step"
+    for group in (0, 1):
+        assert skipped[0] in {r["attempted"] for r in peers if r["group"] == group}, f"group {group} never committed it"
+    assert_identical(rows)
+
+
+@pytest.mark.timeout(120)
 def test_sync_quorum_never_commits_a_healer_s_stale_gradient(processes, tmp_path):
     rows = run_job(processes, tmp_path, [["--sync", "--start-step", "3", "--init", "1.0", "--steps", "6"],
                                          ["--sync", "--init", "100.0", "--steps", "6", "--fail-fetches", "1"]],

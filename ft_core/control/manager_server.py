@@ -212,6 +212,11 @@ class ManagerServer:
         if self._heartbeat_client is not None and not self._closed:
             self._heartbeat_client.finished(self.replica_id, step, self._last_quorum_id)
 
+    def gave_up(self) -> None:
+        """This group neither commits nor redoes the step it attempted in its last quorum (quorum rule 11)."""
+        if self._heartbeat is not None and not self._closed:
+            self._heartbeat.gave_up(self._last_quorum_id)
+
     def _quorum_status(self) -> str:
         return self._heartbeat_client.quorum_status(self.replica_id, timeout=2.0)
 
@@ -544,8 +549,8 @@ class ManagerServer:
                 rnd.all_redoable = all(rnd.redoable.get(r, False) for r in rnd.votes)
                 self._commit_round = None
                 self._cond.notify_all()
-                if not rnd.decision and not rnd.all_redoable and self._heartbeat is not None:  # final: no redo follows
-                    self._heartbeat.gave_up(self._last_quorum_id)  # a peer's redo goes on without us (quorum rule 11)
+                if not rnd.decision and not rnd.all_redoable:  # final: no redo follows
+                    self.gave_up()
                 return rnd.decision, rnd.all_healed, rnd.all_redoable
             self._cond.notify_all()
             while rnd.decision is None and rnd.error is None:
@@ -581,8 +586,6 @@ class ManagerServer:
                            peer=self._address, call="CheckpointMetadata", code="NOT_FOUND")
         return value
 
-    # ----------------------------------------------------------------- kill
-
     def _kill(self, msg: str) -> None:
         if not self.config.kill_allowed:
             raise RPCError(f"Kill refused by manager server {self._address} (replica group {self.replica_id}): it "
@@ -591,9 +594,6 @@ class ManagerServer:
                            call="Kill", code="PERMISSION_DENIED")
         logger.warning("replica group %s killed by request: %s", self.replica_id, msg,
                        extra={"ft_event": {"type": "kill", "replica_id": self.replica_id, "message": msg}})
-
-        def exit_soon() -> None:
-            time.sleep(KILL_EXIT_DELAY_S)
-            os._exit(1)
-
-        threading.Thread(target=exit_soon, name=f"ft-manager-kill[{self.replica_id}]", daemon=True).start()
+        exit_soon = threading.Timer(KILL_EXIT_DELAY_S, os._exit, args=(1,))
+        exit_soon.name, exit_soon.daemon = f"ft-manager-kill[{self.replica_id}]", True
+        exit_soon.start()
