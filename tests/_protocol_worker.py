@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import json
 import os
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -41,6 +43,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip-vote-at", type=int, default=-1, help="module models: skip should_commit() after the "
                                                                 "backward of the first step from this one on, once")
     p.add_argument("--skip-vote-with", type=int, default=0, help="... in a step with at least this many participants")
+    p.add_argument("--start-together", type=int, default=0, help="module models: first wait (60 s at most) until "
+                                                                  "this many groups have built their Manager")
     p.add_argument("--extreme", default="", choices=("", "max", "min"), help="also reduce [-5 - 2*group]")
     p.add_argument("--vote-then-reduce", action="store_true", help="allreduce after should_commit (must raise)")
     p.add_argument("--model", default="vector", choices=("vector", "batchnorm", "unwrapped", "localsgd", "diloco"),
@@ -66,6 +70,11 @@ def train_module(args: argparse.Namespace, rank: int) -> int:
                       use_async_quorum=args.model != "diloco", timeout=timedelta(seconds=args.timeout),
                       quorum_timeout=timedelta(seconds=30), connect_timeout=timedelta(seconds=30))
     net = DistributedDataParallel(manager, model) if args.model == "batchnorm" else model
+    if args.start_together:  # else a group slow to start (a loaded machine) joins after the others ended
+        open(f"{args.out}.ready{args.group}", "w").close()
+        deadline = time.monotonic() + 60
+        while len(glob.glob(f"{args.out}.ready*")) < args.start_together and time.monotonic() < deadline:
+            time.sleep(0.05)
     semi_sync = contextlib.nullcontext()
     if args.model == "localsgd":
         semi_sync = LocalSGD(manager, model, opt, sync_every=1)

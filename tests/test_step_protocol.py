@@ -84,7 +84,7 @@ def test_a_group_that_skips_its_vote_after_reducing_costs_its_peers_neither_the_
     step up and breaks its process group (ft_core.redo.abandoned): the peers' sync fails at once, they redo the step
     without group 2 and commit it, and group 2 heals from them. Before, the peers waited for their collective
     timeout (20 s here) and lost the step."""
-    job = ["--model", "batchnorm", "--steps", "10", "--timeout", "20"]
+    job = ["--model", "batchnorm", "--steps", "10", "--timeout", "20", "--start-together", "3"]
     rows = run_job(processes, tmp_path, [job, job, [*job, "--skip-vote-at", "3", "--skip-vote-with", "3"]],
                    min_replicas=2, timeout=100)
     skipped = [r["skipped_vote"] for r in rows if "skipped_vote" in r]
