@@ -410,6 +410,14 @@ _ft_comm_hook.__annotations__ = {"state": object, "bucket": dist.GradBucket,
                                  "return": torch.futures.Future[torch.Tensor]}
 
 
+def _began(manager: "Manager", module: Any, args: Any) -> None:
+    """A training forward (grad enabled) began this step: a step that then ends with neither a reduction nor a vote
+    (a skipped backward, e.g. a NaN loss) was abandoned, and its peers, which sent their gradients, go on without
+    this group at once (ft_core.redo.abandoned, at the next start_quorum) instead of at their timeout."""
+    if torch.is_grad_enabled():
+        manager._redo.forwarded = True
+
+
 def _default_intra_group_pg() -> Any:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return dist.group.WORLD
@@ -438,6 +446,7 @@ def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, man
     reducer.restorable = intra_group_pg is None and not getattr(ddp_model, "gradient_as_bucket_view", False)
     state = _HookState(manager, reducer, intra_group_pg, intra_size)
     ddp_model.register_comm_hook(state, _ft_comm_hook)
+    ddp_model.register_forward_pre_hook(functools.partial(_began, manager))
     _HOOKS.setdefault(manager, weakref.WeakSet()).add(state)
     ddp_model._ft_hook_state = state  # type: ignore[attr-defined]
     module = ddp_model.module

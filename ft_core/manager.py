@@ -210,7 +210,7 @@ class Manager:
             previous = self._finished_quorum(self._quorum_future)
             if previous is not None:  # normally already raised by should_commit(); a new step starts clean
                 logger.info("%s previous quorum had failed: %s", self._prefix(), previous)
-            if not self._voted and self._reductions:  # the loop skipped that step's vote after reducing
+            if not self._voted and (self._reductions or self._redo.forwarded):  # that step ended unvoted
                 redo.abandoned(self)
         self._clear_errors()
         self._healing = False

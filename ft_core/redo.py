@@ -409,9 +409,10 @@ def on_peer_lost(m: "Manager", quorum_id: int, replica_id: str) -> None:
 
 
 def abandoned(m: "Manager") -> None:
-    """The last step reduced, then ended without a vote (the loop skipped should_commit(): a skipped optimizer
-    step). Its peers may be waiting on a collective it will never issue (the buffers' sync before the vote), or
-    would pair one with its next step's. Tell the lighthouse first, so their redo goes on without this group (quorum
+    """The last step reduced, or ran a training forward of a model with the comm hook, then ended without a vote
+    (the loop skipped should_commit(): a skipped optimizer step, or a skipped backward too). Its peers may be
+    waiting on a collective it will never issue (its gradients, the buffers' sync before the vote), or would pair
+    one with its next step's. Tell the lighthouse first, so their redo goes on without this group (quorum
     rule 11), then break the group, so their collectives fail now instead of at their timeout: they redo the step
     without it, and it heals from them."""
     if m._server is not None:  # group rank 0; every rank breaks its own group

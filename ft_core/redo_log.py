@@ -99,6 +99,7 @@ class ReductionLog:
         self.lost: set[str] = set()  # replica ids the lighthouse said were lost during this step
         self.sent: list[torch.futures.Future] = []  # this step's collectives handed to the process group
         self.kept = False  # a peer was lost after every collective of the step completed: the values stand
+        self.forwarded = False  # a training forward of a model with the comm hook ran (ft_core.ddp): a step began
         self.state = WaitState.IDLE
         self.lock = threading.RLock()  # at the wait: records, state and deliveries
         self._pool: list[torch.Tensor] = []  # copy mode: the step's input copies, reused every step
@@ -113,7 +114,7 @@ class ReductionLog:
         self.state = WaitState.IDLE
         self.lost = set()
         self.sent = []
-        self.kept = False
+        self.kept = self.forwarded = False
         self.quorum_ids, self.quorum_id = (), 0  # until this step's quorum: no redo names an earlier attempt
 
     def record(self, tensor: torch.Tensor, op: ReduceOp, broken: bool, divided_by: int | None = None,

@@ -42,6 +42,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip-first-vote", action="store_true", help="skip should_commit() in the first step")
     p.add_argument("--skip-vote-at", type=int, default=-1, help="module models: skip should_commit() after the "
                                                                 "backward of the first step from this one on, once")
+    p.add_argument("--skip-backward-at", type=int, default=-1,
+                   help="module models: end the first step from this one on after its forward (no backward), once")
     p.add_argument("--skip-vote-with", type=int, default=0, help="... in a step with at least this many participants")
     p.add_argument("--start-together", type=int, default=0, help="module models: first wait (60 s at most) until "
                                                                   "this many groups have built their Manager")
@@ -82,7 +84,7 @@ def train_module(args: argparse.Namespace, rank: int) -> int:
         semi_sync = DiLoCo(manager, [model], opt, torch.optim.SGD(model.parameters(), lr=0.7), sync_every=1)
     gen = torch.Generator().manual_seed(100 + args.group)  # each group sees other data
     out = open(args.out, "a")
-    error, skipped = "", False
+    error, skipped = "", ""
     try:
         with semi_sync:
             while manager.current_step() < args.steps:
@@ -94,11 +96,18 @@ def train_module(args: argparse.Namespace, rank: int) -> int:
                 manager.start_quorum()
                 opt.zero_grad()
                 x = torch.randn(8, 4, generator=gen) * (1 + args.group)
-                net(x).pow(2).mean().backward()
+                loss = net(x).pow(2).mean()
                 attempted = manager.current_step()
-                if 0 <= args.skip_vote_at <= attempted and manager.num_participants() >= args.skip_vote_with \
-                        and not skipped:  # a heal may jump past it, a group may start late
-                    skipped = True
+                for what, at in (("skipped_backward", args.skip_backward_at), ("skipped_vote", args.skip_vote_at)):
+                    if 0 <= at <= attempted and manager.num_participants() >= args.skip_vote_with and not skipped:
+                        skipped = what  # once: a heal may jump past the step, a group may start late
+                if skipped == "skipped_backward":
+                    skipped = "done"
+                    out.write(json.dumps({"group": args.group, "rank": rank, "skipped_backward": attempted}) + "\n")
+                    continue
+                loss.backward()
+                if skipped == "skipped_vote":
+                    skipped = "done"
                     out.write(json.dumps({"group": args.group, "rank": rank, "skipped_vote": attempted}) + "\n")
                     continue
                 committed = manager.should_commit()

@@ -17,6 +17,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -78,19 +79,24 @@ def test_a_healer_whose_heal_was_not_applied_heals_again_and_ends_identical(proc
 
 
 @pytest.mark.timeout(120)
-def test_a_group_that_skips_its_vote_after_reducing_costs_its_peers_neither_the_step_nor_a_wait(processes, tmp_path):
-    """Group 2 reduces its gradients, then skips should_commit() (a skipped optimizer step), so it never issues the
-    BatchNorm buffers' sync its peers issue before their vote. At its next step it tells the lighthouse it gave that
-    step up and breaks its process group (ft_core.redo.abandoned): the peers' sync fails at once, they redo the step
-    without group 2 and commit it, and group 2 heals from them. Before, the peers waited for their collective
-    timeout (20 s here) and lost the step."""
+@pytest.mark.parametrize("skip", ["skipped_vote", "skipped_backward"])
+def test_a_group_that_abandons_a_step_costs_its_peers_neither_the_step_nor_a_wait(processes, tmp_path, skip):
+    """Group 2 ends a step without its vote: after its backward (a skipped optimizer step), so it never issues the
+    BatchNorm buffers' sync its peers issue before their vote; or after its forward (a skipped backward, e.g. a NaN
+    loss), so it never sends its gradients. At its next step it tells the lighthouse it gave that step up and breaks
+    its process group (ft_core.redo.abandoned): the peers' collectives fail at once, they redo the step without
+    group 2 and commit it, and group 2 heals from them. Before, the peers waited (for their collective timeout, 20 s
+    here, or the lighthouse's join timeout, 10 s) and lost the step."""
     job = ["--model", "batchnorm", "--steps", "10", "--timeout", "20", "--start-together", "3"]
-    rows = run_job(processes, tmp_path, [job, job, [*job, "--skip-vote-at", "3", "--skip-vote-with", "3"]],
+    flag = "--skip-vote-at" if skip == "skipped_vote" else "--skip-backward-at"
+    started = time.monotonic()
+    rows = run_job(processes, tmp_path, [job, job, [*job, flag, "3", "--skip-vote-with", "3"]],
                    min_replicas=2, timeout=100)
-    skipped = [r["skipped_vote"] for r in rows if "skipped_vote" in r]
+    skipped = [r[skip] for r in rows if skip in r]
     assert len(skipped) == 1, skipped
     peers = [r for r in rows if r["group"] != 2 and "committed" in r]
-    assert [r["attempted"] for r in peers if not r["committed"]] == [], "a peer lost a step"
+    assert [r["attempted"] for r in peers if not r["committed"]] == [], \
+        f"a peer lost a step (the job took {time.monotonic() - started:.1f}s)"
     for group in (0, 1):
         assert skipped[0] in {r["attempted"] for r in peers if r["group"] == group}, f"group {group} never committed it"
     assert_identical(rows)

@@ -74,7 +74,7 @@ class Cell:
         return args
 
 
-SKIP_PROB = 0.03  # per step: the loop skips the vote (a skipped optimizer.step())
+SKIP_PROB = 0.03  # per step: the loop skips the vote (a skipped optimizer.step()), half the time its backward too
 LOAD_FAIL_PROB = 0.25  # per healed-state load, per rank (so 2-rank groups see partial heals)
 RECV_FAIL_PROB = 0.25  # per checkpoint fetch, per rank
 

@@ -15,7 +15,8 @@ of each incarnation writes DIR/g<group>.r<rank>.i<incarnation>.jsonl with record
   indexed samples), each "step" record also carries "epoch" and "consumed": the dataset indices that
   the committed step consumed in this rank's column (the same on every group that committed it).
 - "skip": the loop skipped this step's vote on purpose (--skip-prob), as a loop that skips
-  `optimizer.step()` does; "load_failed": an injected failure of the healed-state load.
+  `optimizer.step()` does, half of the time its backward too ("backward": true, as for a NaN loss);
+  "load_failed": an injected failure of the healed-state load.
 - "event": the Manager's structured events (quorum, heal, commit, error) as they happen.
 - "send" / "recv_start" / "recv_done" / "recv_failed": the checkpoint transport at work (heals).
 - "drop" / "recv_injected": faults the chaos transport injected (a dropped request on the source, a
@@ -405,17 +406,22 @@ def main(argv: list[str] | None = None) -> int:
             x, y = indexed_batch(args.seed, list(drawn) or [0], args.features)
             weight = weight if drawn else 0.0
         loss = F.mse_loss(ddp(x), y) * weight
+        # a skipped optimizer step (e.g. a GradScaler inf), half of them with the backward skipped too (a NaN
+        # loss): every rank of the group draws the same, and only a step's first attempt may skip (a skipped
+        # step is retried, never skipped forever)
+        attempts[step] = attempts.get(step, 0) + 1
+        skip = random.Random(zlib.crc32(f"skip/{args.seed}/{group}/{incarnation}/{step}".encode()))
+        skipping = args.skip_prob and attempts[step] == 1 and skip.random() < args.skip_prob
+        if skipping and skip.random() < 0.5:
+            log.write("skip", step=step, backward=True)
+            return False, {}
         if (step + int(group)) % 2:  # groups mix both ways of dividing their shares in one step (ft_core.ddp)
             ddp.backward(loss)
         else:
             loss.backward()
         issued = (manager.num_participants(), manager.participating_rank())
         got = issue_reductions(manager, args.seed, args.extremes)
-        # a skipped optimizer step (e.g. a GradScaler inf): every rank of the group draws the same,
-        # and only a step's first attempt may skip (a skipped step is retried, never skipped forever)
-        attempts[step] = attempts.get(step, 0) + 1
-        skip = random.Random(zlib.crc32(f"skip/{args.seed}/{group}/{incarnation}/{step}".encode()))
-        if args.skip_prob and attempts[step] == 1 and skip.random() < args.skip_prob:
+        if skipping:
             log.write("skip", step=step)
             return False, {}
         extra: dict[str, Any] = {}
