@@ -326,3 +326,30 @@ def test_corrupt_truncated_or_wrong_step_checkpoint_fails_clearly_then_heals_nex
     assert "truncated" in messages[1]
     assert "step" in messages[2] and "serves step" in messages[2]
     assert len(events.of("heal", "r1")) == 1
+
+
+@pytest.mark.timeout(90)
+def test_starting_a_step_again_without_a_training_forward_costs_no_rebuild(events):
+    """A step counts as begun (ft_core.redo.abandoned at the next start_quorum, when it then neither reduces
+    nor votes) only at a training forward of the hooked model: a loop that zeroes its gradients twice per step,
+    with an evaluation forward under no_grad between them, keeps its quorum and process group every step."""
+    from ft_core.ddp import DistributedDataParallel
+
+    with LighthouseServer(min_replicas=2, join_timeout_ms=5000) as lighthouse:
+        def body(manager: Manager, i: int) -> list[bool]:
+            torch.manual_seed(0)
+            model = DistributedDataParallel(manager, torch.nn.Linear(4, 1))
+            committed = []
+            for _ in range(4):
+                manager.start_quorum()
+                with torch.no_grad():
+                    model(torch.ones(2, 4))
+                manager.start_quorum()  # the loop's second zero_grad()
+                model(torch.full((2, 4), float(i))).sum().backward()
+                committed.append(manager.should_commit())
+            return committed
+
+        results = run_groups(2, lighthouse, body)
+    assert results == [[True] * 4, [True] * 4]
+    quorums = {e["quorum_id"] for e in events.of("quorum")}
+    assert len(quorums) == 1, f"the process group was rebuilt: quorums {sorted(quorums)}"
