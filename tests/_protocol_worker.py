@@ -49,8 +49,10 @@ def parse_args() -> argparse.Namespace:
                                                                   "this many groups have built their Manager")
     p.add_argument("--extreme", default="", choices=("", "max", "min"), help="also reduce [-5 - 2*group]")
     p.add_argument("--vote-then-reduce", action="store_true", help="allreduce after should_commit (must raise)")
-    p.add_argument("--model", default="vector", choices=("vector", "batchnorm", "unwrapped", "localsgd", "diloco"),
-                   help="batchnorm: a BatchNorm model under ft_core DDP, each group on other data; "
+    p.add_argument("--model", default="vector",
+                   choices=("vector", "batchnorm", "linear", "unwrapped", "localsgd", "diloco"),
+                   help="batchnorm: a BatchNorm model under ft_core DDP, each group on other data; linear: the same "
+                        "without the BatchNorm (no buffers: nothing is reduced in the vote); "
                         "unwrapped: the same model without the DDP wrapper (nothing reduces its gradients); "
                         "localsgd, diloco: the same model trained with LocalSGD or DiLoCo, a sync every step")
     p.add_argument("--width", type=int, default=4, help="hidden width of the module models (a group given another "
@@ -64,14 +66,15 @@ def train_module(args: argparse.Namespace, rank: int) -> int:
     """A model with BatchNorm buffers: after every committed step the buffers must match on every group."""
     torch.manual_seed(0)
     width = args.width
-    model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.BatchNorm1d(width), torch.nn.Linear(width, 1))
+    norm = torch.nn.Identity() if args.model == "linear" else torch.nn.BatchNorm1d(width)
+    model = torch.nn.Sequential(torch.nn.Linear(4, width), norm, torch.nn.Linear(width, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     pg = ProcessGroupGloo(timeout=timedelta(seconds=args.timeout))
     manager = Manager(pg, load_state_dict=model.load_state_dict, state_dict=model.state_dict,
                       min_replica_size=args.min_replicas, replica_id=f"g{args.group}", init_sync=not args.no_init_sync,
                       use_async_quorum=args.model != "diloco", timeout=timedelta(seconds=args.timeout),
                       quorum_timeout=timedelta(seconds=30), connect_timeout=timedelta(seconds=30))
-    net = DistributedDataParallel(manager, model) if args.model == "batchnorm" else model
+    net = DistributedDataParallel(manager, model) if args.model in ("batchnorm", "linear") else model
     if args.start_together:  # else a group slow to start (a loaded machine) joins after the others ended
         open(f"{args.out}.ready{args.group}", "w").close()
         deadline = time.monotonic() + 60
