@@ -31,7 +31,7 @@ from ft_core.tools.launch_command import (
     parse_args,
     quorum_wait_note,
 )
-from ft_core.tools.launcher import restart_delay_after
+from ft_core.tools.launcher import free_port, restart_delay_after
 
 # A replica group stand-in: prints its identity, spawns a grandchild (to check a kill takes the
 # whole process group), then sleeps `argv[1]` seconds (or $SLEEP_G<group>) and exits `argv[2]` (default 0).
@@ -54,6 +54,18 @@ def sleeper(tmp_path: Path) -> str:
     path = tmp_path / "sleeper.py"
     path.write_text(SLEEPER)
     return str(path)
+
+
+@pytest.mark.timeout(10)
+def test_a_free_port_is_one_no_outgoing_connection_can_take_before_it_is_bound():
+    """A group's rank 0 binds its MASTER_PORT seconds after the launcher picked it (after its imports): a port
+    from the OS's range for outgoing connections could be taken meanwhile (a chaos run's group died with
+    EADDRINUSE), so the launcher picks below that range, at random, confirmed free."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    ports = [free_port() for _ in range(20)]
+    assert all(1024 <= port < low for port in ports), (low, ports)
+    assert len(set(ports)) > 1, ports
 
 
 # ----------------------------------------------------------------------------- pure rules
