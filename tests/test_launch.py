@@ -31,7 +31,8 @@ from ft_core.tools.launch_command import (
     parse_args,
     quorum_wait_note,
 )
-from ft_core.tools.launcher import free_port, restart_delay_after
+from ft_core.tools.launcher import restart_delay_after
+from ft_core.tools.ports import free_port
 
 # A replica group stand-in: prints its identity, spawns a grandchild (to check a kill takes the
 # whole process group), then sleeps `argv[1]` seconds (or $SLEEP_G<group>) and exits `argv[2]` (default 0).

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ft_core.tools.launcher import free_port
+from ft_core.tools.ports import free_port
 
 
 class LighthouseProcess:

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -29,12 +27,12 @@ from enum import Enum
 from typing import IO, Any, Protocol
 
 from ft_core.errors import JobFinishedError
+from ft_core.tools.ports import LOOPBACK, free_port
 from ft_core.tools.procs import describe_exit, exit_status, signal_group
 from ft_core.tools.spares import Spare, spare_argv
 
 logger = logging.getLogger(__name__)
 
-LOOPBACK = "127.0.0.1"
 DEFAULT_RES_OPTIONS = "timeout:1 attempts:1"
 DEFAULT_MAX_RESTARTS = 10  # crashes of one group before it is given up on (kills by the launcher do not count)
 MAX_RESTART_DELAY_S = 30.0
@@ -160,36 +158,6 @@ def group_env(base: Mapping[str, str], *, group: int, num_groups: int, rank: int
     if token:
         env["FT_TOKEN"] = token
     return env
-
-
-def free_port() -> int:
-    """A loopback port free now, for a server that binds it seconds later (a group's rank 0 after its imports, a
-    restarted lighthouse): one the OS confirms free, below the range it hands to outgoing connections, so none
-    of the machine's connections can take it meanwhile. The OS's own pick (port 0) lies in that range: under
-    load a chaos run's connection took one, and the group died with EADDRINUSE. That pick is the fallback when
-    the range cannot be read or nothing below it is free."""
-    low = _ephemeral_start()
-    pick = random.SystemRandom()  # not the seeded module state: parallel test workers would draw the same ports
-    candidates = [pick.randrange(max(1024, low - 12288), low) for _ in range(64)] if low > 2048 else []
-    for port in candidates:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((LOOPBACK, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        return sock.getsockname()[1]
-
-
-def _ephemeral_start() -> int:
-    """The first port of the OS's range for outgoing connections (Linux), else 0."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 class Launcher:
