@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from ft_core import futures as ft_futures
+from ft_core import redo
 from ft_core.errors import FTError
 from ft_core.process_groups import ProcessGroupDummy
 
@@ -411,11 +412,9 @@ _ft_comm_hook.__annotations__ = {"state": object, "bucket": dist.GradBucket,
 
 
 def _began(manager: "Manager", module: Any, args: Any) -> None:
-    """A training forward (grad enabled) began this step: a step that then ends with neither a reduction nor a vote
-    (a skipped backward, e.g. a NaN loss) was abandoned, and its peers, which sent their gradients, go on without
-    this group at once (ft_core.redo.abandoned, at the next start_quorum) instead of at their timeout."""
+    """A training forward (grad enabled) of the wrapped model: the step began (ft_core.redo.began)."""
     if torch.is_grad_enabled():
-        manager._redo.forwarded = True
+        redo.began(manager)
 
 
 def _default_intra_group_pg() -> Any:

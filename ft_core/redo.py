@@ -67,8 +67,8 @@ from ft_core.redo_log import Reduction, ReductionLog, RedoConfig, WaitState, res
 if TYPE_CHECKING:
     from ft_core.manager import Manager
 
-__all__ = ["Reduction", "ReductionLog", "RedoConfig", "WaitState", "abandoned", "issue", "on_peer_lost", "pg_error",
-           "redo_step", "resolve", "restore_input", "sending", "settle", "skipped"]
+__all__ = ["Reduction", "ReductionLog", "RedoConfig", "WaitState", "abandoned", "began", "issue", "on_peer_lost",
+           "pg_error", "redo_step", "resolve", "restore_input", "sending", "settle", "skipped"]
 
 logger = logging.getLogger(__name__)
 
@@ -406,6 +406,13 @@ def on_peer_lost(m: "Manager", quorum_id: int, replica_id: str) -> None:
                                f"(the lighthouse dropped it); this step's collectives are aborted"), peer_lost=True)
     _watch_abort(m, [f for f in log.sent if not f.done()])
     m._break_pg()
+
+
+def began(m: "Manager") -> None:
+    """A training forward of a model with the comm hook ran (ft_core.ddp): this step began, so one that then ends
+    with neither a reduction nor a vote (a skipped backward, e.g. a NaN loss) is abandoned at the next start_quorum,
+    and its peers, which sent their gradients, go on without this group at once instead of at their timeout."""
+    m._redo.forwarded = True
 
 
 def abandoned(m: "Manager") -> None:
