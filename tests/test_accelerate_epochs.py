@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -33,10 +34,23 @@ def text(tmp_path, name: str) -> str:
         return f.read()
 
 
+def wait_for_rows(log: pathlib.Path, count: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """Wait (bounded) until `log` holds `count` complete lines, failing early if `proc` ended."""
+    deadline = time.monotonic() + timeout
+    while not (log.exists() and len(log.read_text().splitlines()[:-1]) >= count):
+        assert proc.poll() is None, f"{log.name}'s process ended before writing {count} line(s)"
+        assert time.monotonic() < deadline, f"{log.name} has fewer than {count} line(s) after {timeout:.0f}s"
+        time.sleep(0.1)
+
+
 @pytest.mark.timeout(120)
 def test_plain_epoch_loop_after_kill_and_restart_ends_identical(processes, tmp_path):
     with LighthouseServer(min_replicas=1, join_timeout_ms=500) as lighthouse:
         survivor = start(processes, tmp_path, lighthouse.address(), 0, "survivor", "--sleep", "0.5")
+        # The victim starts once the survivor has committed a step: started together on a loaded machine, the
+        # victim trained its first steps alone (min_replicas 1), the survivor then healed from it and the kill
+        # came mid-heal, so the survivor's first iteration failed and it ended one step short (47 of 48).
+        wait_for_rows(tmp_path / "survivor.jsonl", 1, survivor)
         victim = start(processes, tmp_path, lighthouse.address(), 1, "victim", "--kill-at-step", "10")
         assert victim.wait(timeout=90) == -9, text(tmp_path, "victim.out")[-3000:]
         # Restart once the survivor is past its first epoch, so the heal has epochs to land across
