@@ -38,6 +38,8 @@ def member(step: int, last_quorum_id: int = 0, rid: str = "replica_group_0:8") -
     (member(0), FINISHED, {}, True),  # restarted after the end: alone at step 0
     (member(15, last_quorum_id=4), FINISHED, {}, True),  # long gone, far behind, nobody to heal from
     (member(19, last_quorum_id=9), FINISHED, {}, False),  # in the finished group's last quorum: one step late
+    (member(0, last_quorum_id=9), FINISHED, {}, True),  # a healer of that quorum whose heal failed: far behind
+    (member(18, last_quorum_id=10), FINISHED, {}, True),  # behind the last quorum's max_step (19): a healer too
     (member(20), FINISHED, {}, False),  # resumed from the final checkpoint
     (member(0), FINISHED, {"replica_group_2:1": 20}, False),  # a live group at the end: heals from it
     (member(0), FINISHED, {"replica_group_2:1": 12}, True),  # a live group as far behind is no source
@@ -129,6 +131,49 @@ def test_a_group_restarted_after_the_other_finished_exits_with_the_reason_instea
         resumed = _spawn(processes, lighthouse, 0, "--steps", str(final + 3), "--start-step", str(final))
         out = resumed.communicate(timeout=50)[0]
         assert resumed.returncode == 0 and f"done at step {final + 3}" in out, out[-3000:]
+
+
+def _read_until(proc: subprocess.Popen, text: str) -> tuple[list[str], threading.Event]:
+    """Collect `proc`'s output lines in a thread; the event is set once a line holds `text`."""
+    lines: list[str] = []
+    seen = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if text in line:
+                seen.set()
+    threading.Thread(target=read, daemon=True).start()
+    return lines, seen
+
+
+@pytest.mark.timeout(120)
+def test_a_group_whose_heal_failed_in_the_job_s_last_quorum_is_refused_instead_of_retraining_alone(processes, tmp_path):
+    """A restarted group took part in the finished group's last quorum as a healer and its load failed, so it
+    kept its step 0. Being in that quorum let it go on (as if one step late): with min_replicas 1 it then
+    retrained the whole job alone from its initial weights (found by reading the rule, 2026-12-07)."""
+    end = tmp_path / "end"
+    with LighthouseServer(min_replicas=1, join_timeout_ms=500) as lighthouse:
+        source = _spawn(processes, lighthouse, 1, "--steps", "100000", "--end-file", str(end))
+        out1, trained = _read_until(source, "committed step 2")
+        assert trained.wait(60), "".join(out1)[-3000:]
+        healer = _spawn(processes, lighthouse, 0, "--steps", "100000", "--fail-loads")
+        out0, failed = _read_until(healer, "injected load failure")
+        assert failed.wait(60), "".join(out0)[-3000:]
+        end.touch()  # the source ends after its current step, with the healer in its quorum
+        source.wait(timeout=60)
+        assert source.returncode == 0 and "done at step" in "".join(out1), "".join(out1)[-3000:]
+        final = int("".join(out1).split("done at step ")[-1].split()[0])
+        try:
+            healer.wait(timeout=50)  # its quorum timeout is 60 s: only the refusal ends it sooner
+        except subprocess.TimeoutExpired:
+            healer.kill()
+            healer.wait(timeout=10)
+    out0 = "".join(out0)
+    assert healer.returncode == 1, out0[-3000:]
+    assert f"JobFinishedError: replica group replica_group_0: the job finished at step {final} (group " \
+           f"replica_group_1) while this group was at step 0" in out0, out0[-3000:]
+    assert "committed step" not in out0 and "done at step" not in out0, out0[-3000:]
 
 
 @pytest.mark.timeout(90)

@@ -36,11 +36,12 @@ def late_group_problem(member: QuorumMember, finished: Mapping[str, FinishedGrou
                        live_steps: Mapping[str, int]) -> str | None:
     """Why `member` must not take part (the job finished ahead of it), or None when it may.
 
-    Refused when the job finished at step N, the member is behind N, it did not train beside the
-    finished groups until their end (its last quorum is older than theirs: a restarted or long-gone
-    group), and no other live group (`live_steps`: replica id -> step, finished ones excluded) is at N
-    to heal from. A group at N (resumed from the final checkpoint) or one step late in the last quorum
-    goes on.
+    Refused when the job finished at step N, the member is behind N, it is not one step late in the
+    finished groups' last quorum (a restarted or long-gone group, whose last quorum is older than theirs;
+    or a healer of that quorum whose heal failed: that quorum's participants were at N - 1, it is further
+    behind), and no other live group (`live_steps`: replica id -> step, finished ones excluded) is at N to
+    heal from. A group at N (resumed from the final checkpoint) or a participant of the last quorum whose
+    attempt failed (at N - 1) goes on.
     """
     if not finished:
         return None
@@ -48,8 +49,8 @@ def late_group_problem(member: QuorumMember, finished: Mapping[str, FinishedGrou
     if member.step >= final:
         return None
     last = [f for f in finished.values() if f.step == final]
-    if member.last_quorum_id >= min(f.quorum_id for f in last) > 0:
-        return None  # it was in the finished groups' last quorum: it only lags the end by a step
+    if member.last_quorum_id >= min(f.quorum_id for f in last) > 0 and member.step >= final - 1:
+        return None  # a participant of the finished groups' last quorum whose attempt failed: one step late
     mine = replica_group(member.replica_id)
     if any(step >= final for rid, step in live_steps.items() if replica_group(rid) != mine):
         return None  # a live source at the end: the member heals from it
