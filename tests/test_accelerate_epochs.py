@@ -11,6 +11,7 @@ import pathlib
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import pytest
 from conftest import REPO_ROOT, child_env
@@ -34,12 +35,17 @@ def text(tmp_path, name: str) -> str:
         return f.read()
 
 
-def wait_for_rows(log: pathlib.Path, count: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    """Wait (bounded) until `log` holds `count` complete lines, failing early if `proc` ended."""
+def wait_for_rows(log: pathlib.Path, proc: subprocess.Popen, done: Callable[[list[dict]], bool], what: str,
+                  timeout: float = 60.0) -> None:
+    """Wait (bounded) until `log`'s complete rows satisfy `done`, failing early if `proc` ended. The last line
+    is left out: it may still be being written."""
     deadline = time.monotonic() + timeout
-    while not (log.exists() and len(log.read_text().splitlines()[:-1]) >= count):
-        assert proc.poll() is None, f"{log.name}'s process ended before writing {count} line(s)"
-        assert time.monotonic() < deadline, f"{log.name} has fewer than {count} line(s) after {timeout:.0f}s"
+    while True:
+        lines = log.read_text().splitlines()[:-1] if log.exists() else []
+        if done([json.loads(line) for line in lines if line.strip()]):
+            return
+        assert proc.poll() is None, f"{log.name}'s process ended before {what}"
+        assert time.monotonic() < deadline, f"{log.name}: no {what} after {timeout:.0f}s"
         time.sleep(0.1)
 
 
@@ -50,16 +56,13 @@ def test_plain_epoch_loop_after_kill_and_restart_ends_identical(processes, tmp_p
         # The victim starts once the survivor has committed a step: started together on a loaded machine, the
         # victim trained its first steps alone (min_replicas 1), the survivor then healed from it and the kill
         # came mid-heal, so the survivor's first iteration failed and it ended one step short (47 of 48).
-        wait_for_rows(tmp_path / "survivor.jsonl", 1, survivor)
+        log = tmp_path / "survivor.jsonl"
+        wait_for_rows(log, survivor, lambda rows: len(rows) >= 1, "a committed step")
         victim = start(processes, tmp_path, lighthouse.address(), 1, "victim", "--kill-at-step", "10")
         assert victim.wait(timeout=90) == -9, text(tmp_path, "victim.out")[-3000:]
         # Restart once the survivor is past its first epoch, so the heal has epochs to land across
         # (on a loaded machine the victim can die before the survivor got there).
-        deadline = time.monotonic() + 60
-        log = tmp_path / "survivor.jsonl"
-        while time.monotonic() < deadline and not (log.exists() and any(
-                json.loads(line).get("epoch", 0) >= 1 for line in log.read_text().splitlines()[:-1] if line.strip())):
-            time.sleep(0.1)  # [:-1]: the last line may still be being written
+        wait_for_rows(log, survivor, lambda rows: any(r.get("epoch", 0) >= 1 for r in rows), "a step in epoch 1")
         restarted = start(processes, tmp_path, lighthouse.address(), 1, "restarted")
         assert restarted.wait(timeout=90) == 0, text(tmp_path, "restarted.out")[-3000:]
         assert survivor.wait(timeout=60) == 0, text(tmp_path, "survivor.out")[-3000:]
