@@ -2,8 +2,8 @@
 
 Logs the engine's INFO lines to stderr (as a script that sets up logging would), prints one line per
 committed step and `done at step N` at the end. `--fail-loads` makes every heal's load fail (a healer
-that keeps its own state), `--end-file` ends the loop after the first step that finds that file. A JobFinishedError is not caught: the process ends
-with its traceback and exit 1, as a user's script would.
+that keeps its own state), `--end-file` ends the loop after the first step that finds that file. A
+JobFinishedError is not caught: the process ends with its traceback and exit 1, as a user's script would.
 """
 
 from __future__ import annotations

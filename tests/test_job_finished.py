@@ -133,8 +133,9 @@ def test_a_group_restarted_after_the_other_finished_exits_with_the_reason_instea
         assert resumed.returncode == 0 and f"done at step {final + 3}" in out, out[-3000:]
 
 
-def _read_until(proc: subprocess.Popen, text: str) -> tuple[list[str], threading.Event]:
-    """Collect `proc`'s output lines in a thread; the event is set once a line holds `text`."""
+def _read_until(proc: subprocess.Popen, text: str) -> tuple[list[str], threading.Event, threading.Thread]:
+    """Collect `proc`'s output lines in a thread (it ends at the output's end); the event is set once a line
+    holds `text`."""
     lines: list[str] = []
     seen = threading.Event()
 
@@ -143,8 +144,9 @@ def _read_until(proc: subprocess.Popen, text: str) -> tuple[list[str], threading
             lines.append(line)
             if text in line:
                 seen.set()
-    threading.Thread(target=read, daemon=True).start()
-    return lines, seen
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    return lines, seen, reader
 
 
 @pytest.mark.timeout(120)
@@ -155,13 +157,14 @@ def test_a_group_whose_heal_failed_in_the_job_s_last_quorum_is_refused_instead_o
     end = tmp_path / "end"
     with LighthouseServer(min_replicas=1, join_timeout_ms=500) as lighthouse:
         source = _spawn(processes, lighthouse, 1, "--steps", "100000", "--end-file", str(end))
-        out1, trained = _read_until(source, "committed step 2")
+        out1, trained, reader1 = _read_until(source, "committed step 2")
         assert trained.wait(60), "".join(out1)[-3000:]
         healer = _spawn(processes, lighthouse, 0, "--steps", "100000", "--fail-loads")
-        out0, failed = _read_until(healer, "injected load failure")
+        out0, failed, reader0 = _read_until(healer, "injected load failure")
         assert failed.wait(60), "".join(out0)[-3000:]
         end.touch()  # the source ends after its current step, with the healer in its quorum
         source.wait(timeout=60)
+        reader1.join(timeout=10)  # its last lines
         assert source.returncode == 0 and "done at step" in "".join(out1), "".join(out1)[-3000:]
         final = int("".join(out1).split("done at step ")[-1].split()[0])
         try:
@@ -169,6 +172,7 @@ def test_a_group_whose_heal_failed_in_the_job_s_last_quorum_is_refused_instead_o
         except subprocess.TimeoutExpired:
             healer.kill()
             healer.wait(timeout=10)
+        reader0.join(timeout=10)
     out0 = "".join(out0)
     assert healer.returncode == 1, out0[-3000:]
     assert f"JobFinishedError: replica group replica_group_0: the job finished at step {final} (group " \
