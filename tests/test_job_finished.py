@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -19,7 +20,9 @@ from ft_core.control.job_end import (
     late_group_problem,
 )
 from ft_core.control.lighthouse import LighthouseServer
+from ft_core.control.lighthouse_calls import Waiter
 from ft_core.control.lighthouse_client import LighthouseClient
+from ft_core.control.lighthouse_state import LighthouseConfig, LighthouseCore
 from ft_core.control.manager_server import ManagerClient, ManagerServer
 from ft_core.control.types import QuorumMember
 from ft_core.errors import JobFinishedError, QuorumError
@@ -55,6 +58,52 @@ def test_late_group_rule(joiner, finished, live, refused):
         error = job_finished_error(problem)
         assert (error.finished_step, error.step, error.finished_groups) == (20, joiner.step, ("replica_group_1",))
         assert isinstance(error, QuorumError) and "start a new job" in str(error)
+
+
+def test_a_group_already_waiting_when_the_job_finishes_ahead_of_it_is_refused_not_issued_a_quorum_alone():
+    """The events in the order a real run delivered them (the heal-failed test below, about 3 runs in 4): the
+    healer joined its next quorum while the source still trained, the source then finished and closed its
+    stream. The late-group rule ran only at the join, so the healer was then issued a quorum alone at step 0
+    and trained a step from its initial weights before its next join was refused."""
+    core = LighthouseCore(LighthouseConfig(min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=30_000))
+    streams = {rid: object() for rid in ("source", "healer")}
+    for rid, stream in streams.items():
+        core.stream_opened(rid, stream)
+    first = [Waiter(QuorumMember("source", step=40), lambda: None), Waiter(QuorumMember("healer"), lambda: None)]
+    for waiter in first:
+        core.join(waiter)
+    assert first[1].issued is not None, "the two did not get a quorum together"
+    quorum_id = first[1].issued.quorum.quorum_id
+    for waiter in first:
+        core.leave(waiter)
+    woken: list[str] = []
+    late = Waiter(QuorumMember("healer", step=0, last_quorum_id=quorum_id), lambda: woken.append("healer"))
+    core.join(late)  # its heal failed: it asks again, still at step 0; the source has not asked yet
+    assert late.issued is None and late.refusal is None
+    core.finished("source", 41, quorum_id)
+    core.stream_closed("source", streams["source"], "closed by the client (shutdown)")
+    assert late.issued is None, f"issued quorum {late.issued.quorum.replica_ids} to a group the job finished ahead of"
+    assert late.refusal is not None and "the job finished at step 41" in late.refusal and woken == ["healer"]
+
+
+@pytest.mark.timeout(60)
+def test_a_unary_quorum_call_waiting_when_the_job_finishes_ahead_of_it_gets_job_finished_error():
+    """The same order over a real lighthouse's unary Quorum call (the heartbeat stream's polls are the heal-failed
+    test's path): the refusal reaches a call that is already waiting, at once, not at its deadline. (min_replicas 2
+    makes the first quorum wait for both.)"""
+    with LighthouseServer(min_replicas=2, join_timeout_ms=60_000, http_bind=None) as lighthouse, \
+            LighthouseClient(lighthouse.address()) as client:
+        first = run_calls([lambda: client.quorum(QuorumMember("replica_group_1:s", step=40), timeout=timedelta(seconds=20)),
+                           lambda: client.quorum(QuorumMember("replica_group_0:h"), timeout=timedelta(seconds=20))])
+        quorum_id = first[0][0].quorum_id
+        assert first[1][0].quorum_id == quorum_id, first
+        started = time.monotonic()
+        waiting = run_calls([lambda: client.quorum(QuorumMember("replica_group_0:h", last_quorum_id=quorum_id),
+                                                   timeout=timedelta(seconds=30)),
+                             lambda: (time.sleep(1.0), client.finished("replica_group_1:s", 41, quorum_id))])
+    error, ended = waiting[0]
+    assert isinstance(error, JobFinishedError), error
+    assert (error.finished_step, error.step) == (41, 0) and ended - started < 10, (error, ended - started)
 
 
 @pytest.mark.timeout(60)

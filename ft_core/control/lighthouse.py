@@ -127,6 +127,8 @@ class _LighthouseService:
                 await context.abort(grpc.StatusCode.OUT_OF_RANGE, waiter.refusal)
             if waiter.issued is None and waiter.redirect is None and waiter.excluded is None:
                 await asyncio.wait((answered,), timeout=max(remaining, 0.0))
+            if waiter.issued is None and waiter.refusal is not None:  # refused while it waited: the job finished
+                await context.abort(grpc.StatusCode.OUT_OF_RANGE, waiter.refusal)
             if waiter.issued is None and waiter.excluded is not None:  # shrink-only outside the last quorum
                 await context.abort(grpc.StatusCode[EXCLUDED_CODE], f"lighthouse Quorum: {waiter.excluded}")
             if waiter.issued is None and waiter.redirect is not None:  # standing by: go to the active lighthouse
@@ -273,8 +275,7 @@ class _LighthouseService:
         waiter = poll.waiter = Waiter(member, poll.wake)
         self._core.join(waiter)  # wakes nothing here: the poll is registered below
         if waiter.refusal is not None:  # the job finished ahead of this group (ft_core.control.job_end)
-            poll.end(ft_pb2.LighthouseHeartbeatResponse(
-                request_id=rid, error_code=grpc.StatusCode.OUT_OF_RANGE.name, error=waiter.refusal).SerializeToString())
+            poll.end(_refusal(rid, waiter.refusal))
         elif waiter.redirect is not None:  # standing by (ft_core.control.lighthouse_peers)
             poll.end(_poll_failure(rid, grpc.StatusCode.UNAVAILABLE, waiter.redirect))
         elif waiter.excluded is not None:  # shrink-only outside the last quorum: no quorum can include it
@@ -293,6 +294,12 @@ class _LighthouseService:
             if item is None:
                 return
             await context.write(item)
+
+
+def _refusal(rid: int, refusal: str) -> bytes:
+    """A stream poll's answer for a group the job finished ahead of (ft_core.control.job_end)."""
+    return ft_pb2.LighthouseHeartbeatResponse(request_id=rid, error_code=grpc.StatusCode.OUT_OF_RANGE.name,
+                                              error=refusal).SerializeToString()
 
 
 def _poll_failure(rid: int, code: grpc.StatusCode, message: str) -> bytes:
@@ -340,6 +347,8 @@ class _StreamPoll:
             self._service._core.leave(waiter)
         if waiter.issued is not None:  # (or issued in the same instant as the leave)
             self.end(waiter.issued.stream_response(self._rid))
+        elif waiter.refusal is not None:  # refused while it waited: the job finished ahead of it
+            self.end(_refusal(self._rid, waiter.refusal))
         elif waiter.redirect is not None:  # this lighthouse now stands by
             self.end(_poll_failure(self._rid, grpc.StatusCode.UNAVAILABLE, waiter.redirect))
         elif waiter.excluded is not None:  # shrink-only outside the last quorum (rule 2)

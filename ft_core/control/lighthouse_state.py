@@ -130,7 +130,7 @@ class LighthouseCore:
                 waiter.redirect = self._redirect
                 waiter.wake()
                 return
-            if self._finished and self._refuse_late_locked(waiter, now):
+            if self._finished and self._refuse_late_locked([waiter], now):
                 return
             if member.last_quorum_replica_ids:
                 if member.last_quorum_id > self._quorum_id:
@@ -163,23 +163,34 @@ class LighthouseCore:
                               "replica_ids": sorted(new), "event": "quorum_reported"})
 
     def finished(self, replica_id: str, step: int, quorum_id: int) -> None:
-        """`replica_id` ended its training normally at `step`: from now on a group joining behind it alone is refused."""
+        """`replica_id` ended its training normally at `step`: from now on a group joining behind it alone is refused,
+        and so is one already waiting (it joined while the finished group still trained)."""
         with self._lock:
             self._finished[replica_id] = FinishedGroup(replica_id, step, quorum_id, int(time.time() * 1000))
+            now = time.monotonic()
+            for rid in list(self._waiting):
+                waiters = self._waiters.get(rid, [])
+                if waiters and self._refuse_late_locked(waiters, now):
+                    self._waiting.pop(rid, None)
+                    self._waiters.pop(rid, None)
         logger.info("replica %s finished training at step %d (last quorum %d); a group that joins later behind "
                     "step %d with no live peer at it is refused", replica_id, step, quorum_id, step,
                     extra={"replica_id": replica_id, "step": step, "event": "replica_finished"})
 
-    def _refuse_late_locked(self, waiter: Waiter, now: float) -> bool:
-        """The job finished ahead of this joiner and no live group can heal it: answer it with the refusal."""
-        live = {rid: m.step for rid, m in self._known.items() if rid != waiter.member.replica_id
+    def _refuse_late_locked(self, waiters: list[Waiter], now: float) -> bool:
+        """The job finished ahead of these calls of one member and no live group can heal it: answer them with
+        the refusal."""
+        member = waiters[-1].member
+        live = {rid: m.step for rid, m in self._known.items() if rid != member.replica_id
                 and rid not in self._finished and now - self._heartbeats.get(rid, -1e18) < self._rules.heartbeat_timeout_s}
-        waiter.refusal = late_group_problem(waiter.member, self._finished, live)
-        if waiter.refusal is None:
+        refusal = late_group_problem(member, self._finished, live)
+        if refusal is None:
             return False
-        logger.warning("replica %s refused: %s", waiter.member.replica_id, waiter.refusal,
-                       extra={"replica_id": waiter.member.replica_id, "event": "replica_late"})
-        waiter.wake()
+        logger.warning("replica %s refused: %s", member.replica_id, refusal,
+                       extra={"replica_id": member.replica_id, "event": "replica_late"})
+        for waiter in waiters:
+            waiter.refusal = refusal
+            waiter.wake()
         return True
 
     def quorum_status(self) -> str:
