@@ -97,10 +97,19 @@ def test_a_unary_quorum_call_waiting_when_the_job_finishes_ahead_of_it_gets_job_
                            lambda: client.quorum(QuorumMember("replica_group_0:h"), timeout=timedelta(seconds=20))])
         quorum_id = first[0][0].quorum_id
         assert first[1][0].quorum_id == quorum_id, first
+        def finish_once_the_healer_waits() -> list[str]:
+            deadline = time.monotonic() + 10  # a busy machine: the notice must come after the join, not before
+            while not any(m["replica_id"] == "replica_group_0:h" and m["waiting"]
+                          for m in lighthouse.core.status()["members"]):
+                assert time.monotonic() < deadline, "the healer's call never waited"
+                time.sleep(0.02)
+            return client.finished("replica_group_1:s", 41, quorum_id)
+
         started = time.monotonic()
         waiting = run_calls([lambda: client.quorum(QuorumMember("replica_group_0:h", last_quorum_id=quorum_id),
                                                    timeout=timedelta(seconds=30)),
-                             lambda: (time.sleep(1.0), client.finished("replica_group_1:s", 41, quorum_id))])
+                             finish_once_the_healer_waits])
+        assert waiting[1][0] == [lighthouse.address()], waiting[1]
     error, ended = waiting[0]
     assert isinstance(error, JobFinishedError), error
     assert (error.finished_step, error.step) == (41, 0) and ended - started < 10, (error, ended - started)
